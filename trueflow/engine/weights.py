@@ -1,0 +1,56 @@
+"""Building the engine's transformer and updating its weights (the engine-side half of weight sync)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import loading
+from ..models.qwen_image.transformer import QwenImageTransformer, build_model
+from ..models.qwen_image.weights import load_weights, parse_peft_state_dict, set_lora
+from ..patches import apply_patch_group
+
+LORA_MERGE_MODES = ("unmerged", "merged")
+
+
+def build_engine_transformer(
+    config: dict,
+    state_dict: dict[str, torch.Tensor],
+    device="cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    patch_group: str = "none",
+    disabled_patches: tuple[str, ...] | list[str] = (),
+) -> QwenImageTransformer:
+    model = build_model(config, device=device, dtype=dtype)
+    load_weights(model, state_dict)
+    apply_patch_group(model, patch_group, disabled_patches)
+    return model
+
+
+def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = torch.bfloat16,
+                            patch_group: str = "none", disabled_patches=()) -> QwenImageTransformer:
+    return build_engine_transformer(loading.read_transformer_config(checkpoint),
+                                    loading.read_transformer_state_dict(checkpoint),
+                                    device, dtype, patch_group, disabled_patches)
+
+
+def resolve_lora_merge(model: QwenImageTransformer, requested: str | None) -> bool:
+    """Whether a LoRA update is merged into the weights. By default the engine merges (fast) unless its patch
+    group keeps adapters unmerged; an explicit `merged` under such a group is honoured with a warning."""
+    if requested is None:
+        return model.lora_merge
+    if requested not in LORA_MERGE_MODES:
+        raise ValueError(f"unknown LoRA merge mode {requested!r}; choose one of {', '.join(LORA_MERGE_MODES)}")
+    if requested == "merged" and not model.lora_merge:
+        warnings.warn("LoRA merge requested under a parity patch group: W + scale·B·A in bf16 rounds differently "
+                      "from PEFT's unmerged forward (~1e-2 in bf16), so the rollout is no longer bitwise equal to "
+                      "the train side. Use --lora-merge-mode unmerged to keep parity.", stacklevel=2)
+    return requested == "merged"
+
+
+def update_lora(model: QwenImageTransformer, peft_state_dict: dict[str, torch.Tensor], scale: float,
+                merge_mode: str | None = None) -> None:
+    """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing (a bad update raises and leaves the
+    previous weights in place)."""
+    set_lora(model, parse_peft_state_dict(peft_state_dict), scale, merge=resolve_lora_merge(model, merge_mode))

@@ -1,0 +1,138 @@
+"""The `qwen_image` rollout patch group: the engine's Qwen-Image numerics made bitwise equal to the train side.
+
+The train side is diffusers' `QwenImageTransformer2DModel` in bf16 without autocast (DESIGN 3b). Every function
+here re-implements, op for op, the arithmetic diffusers runs, including each intermediate rounding to bf16;
+tests compare each one with the diffusers function it mirrors. Nothing is imported from diffusers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ...layers.linear import Linear
+from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayerNormScaleShift
+from ...layers.norms import RMSNorm
+from ...layers.rope import QKNormRope, RopeTables
+from ...patches import Patch, PatchGroup
+from .transformer import JointAttention, QwenImageTransformer, RotaryEmbedding, TIMESTEP_CHANNELS, TimestepEmbedding
+
+
+# -- RMSNorm -------------------------------------------------------------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers' RMSNorm: the variance in fp32, `x·rsqrt` promoted to fp32, ROUNDED to the weight dtype,
+    then multiplied by the weight in that dtype (a second rounding)."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        y = y.to(weight.dtype)
+    return y * weight
+
+
+# -- adaLN modulation (bf16 semantics: every elementwise op rounds) ----------------------------------------
+def layer_norm_scale_shift_reference(x, shift, scale, eps: float) -> torch.Tensor:
+    """nn.LayerNorm(elementwise_affine=False) on the bf16 input (fp32 inside, one rounding out), then
+    `(1 + scale)`, `·`, `+ shift`, each rounded."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def scale_residual_layer_norm_scale_shift_reference(residual, y, gate, shift, scale, eps: float):
+    """`residual + gate·y` (two roundings) is the new residual; the norm reads that rounded value."""
+    r = residual + gate[:, None] * y
+    return r, layer_norm_scale_shift_reference(r, shift, scale, eps)
+
+
+def mul_add_reference(a, b, c, k: float) -> torch.Tensor:
+    """Eager `c + a·(k+b)`. For k == 0 (the gated residual `c + b·a`) the `0 + b` is skipped: it is exact except
+    that it turns -0 into +0, which diffusers never does."""
+    return c + a * b[:, None] if k == 0 else c + a * (k + b[:, None])
+
+
+# -- qk-norm + RoPE ------------------------------------------------------------------------------------------
+_TABLE_ROWS = 4096  # diffusers precomputes 4096 positive and 4096 negative positions per axis
+
+
+@functools.lru_cache(maxsize=8)
+def _polar_tables(axes_dim: tuple[int, ...], theta: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-axis complex tables for positions 0..4095 and -4096..-1, built as diffusers' QwenEmbedRope builds
+    them: on the CPU, `outer(index, 1/theta^(arange(0,d,2)/d))` then `torch.polar`."""
+
+    def rope_params(index: torch.Tensor, dim: int) -> torch.Tensor:
+        freqs = torch.outer(index, 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim)))
+        return torch.polar(torch.ones_like(freqs), freqs)
+
+    pos_index = torch.arange(_TABLE_ROWS)
+    neg_index = torch.arange(_TABLE_ROWS).flip(0) * -1 - 1
+    return [rope_params(pos_index, d) for d in axes_dim], [rope_params(neg_index, d) for d in axes_dim]
+
+
+def rope_tables_reference(positions: torch.Tensor, axes_dim, theta, device) -> RopeTables:
+    """Rows of the CPU-built polar tables for the given positions, then moved to the device."""
+    pos, neg = _polar_tables(tuple(axes_dim), int(theta))
+    cols = []
+    for axis in range(len(axes_dim)):
+        p = positions[:, axis]
+        cols.append(torch.where((p >= 0)[:, None], pos[axis][p.clamp(min=0)], neg[axis][(_TABLE_ROWS + p).clamp(max=_TABLE_ROWS - 1)]))
+    return RopeTables(freqs=torch.cat(cols, dim=-1).to(device))
+
+
+def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables) -> torch.Tensor:
+    """diffusers: RMSNorm (rounded to bf16), then rotation as a complex multiplication in fp32, `.type_as(x)`."""
+    x = rms_norm_reference(x, weight, eps)
+    x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_c * tables.freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+# -- timestep ------------------------------------------------------------------------------------------------
+def timestep_proj_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pipeline passes t/1000 in the latent dtype, so `t` is rounded to bf16 first; diffusers' Timesteps
+    then computes `1000 · (t·ω)` in fp32 (the product first, then the scale) and concatenates [cos, sin]."""
+    t = t.to(dtype)
+    half = TIMESTEP_CHANNELS // 2
+    exponent = -math.log(10000) * torch.arange(start=0, end=half, dtype=torch.float32, device=t.device)
+    exponent = exponent / (half - 0)
+    emb = t[:, None].float() * torch.exp(exponent)[None, :]
+    emb = 1000 * emb
+    return torch.cat([torch.cos(emb), torch.sin(emb)], dim=-1).to(dtype)
+
+
+# -- the group -------------------------------------------------------------------------------------------------
+def _set(kind: type, attr: str, value):
+    """A patch that sets `attr = value` on every module of type `kind`."""
+    def apply(model: torch.nn.Module) -> None:
+        for m in model.modules():
+            if isinstance(m, kind):
+                setattr(m, attr, value)
+    return apply
+
+
+def _qk_norm_rope(model: torch.nn.Module) -> None:
+    _set(RotaryEmbedding, "impl", rope_tables_reference)(model)
+    _set(QKNormRope, "impl", qk_norm_rope_reference)(model)
+
+
+GROUP = PatchGroup("qwen_image", (
+    Patch("rms_norm", "RMSNorm rounds x·rsqrt to bf16 before the weight multiply",
+          _set(RMSNorm, "impl", rms_norm_reference)),
+    Patch("layer_norm_scale_shift", "bf16 LayerNorm, then (1+scale), ·, +shift each rounded",
+          _set(LayerNormScaleShift, "impl", layer_norm_scale_shift_reference)),
+    Patch("scale_residual_layer_norm_scale_shift", "residual + gate·y rounded twice; the norm reads the rounded residual",
+          _set(ScaleResidualLayerNormScaleShift, "impl", scale_residual_layer_norm_scale_shift_reference)),
+    Patch("mul_add", "eager bf16 c + a·(k+b) instead of one fp32 rounding",
+          _set(MulAdd, "impl", mul_add_reference)),
+    Patch("qk_norm_rope", "qk-norm rounded to bf16, then complex-multiplication RoPE from diffusers-built tables",
+          _qk_norm_rope),
+    Patch("contiguous_split", "joint-attention output slices made contiguous before to_out/to_add_out",
+          _set(JointAttention, "contiguous_split", True)),
+    Patch("unpacked_qkv", "separate q/k/v GEMMs with the bias in the same call",
+          _set(Linear, "unpacked", True)),
+    Patch("timestep_dtype", "the timestep rounded to the latent dtype before the fp32 sinusoid",
+          _set(TimestepEmbedding, "proj_impl", timestep_proj_reference)),
+    Patch("flash_attention", "the SDPA flash kernel pinned, as the train side's `_native_flash` backend",
+          _set(JointAttention, "backend", "flash")),
+    Patch("lora_unmerged", "LoRA updates stay unmerged, evaluated in PEFT's order: (W x + b) + scale·B(A x)",
+          _set(QwenImageTransformer, "lora_merge", False)),
+))

@@ -1,0 +1,77 @@
+"""Per-layer divergence between the train-side model and the engine: forward hooks on both sides, aligned by
+diffusers module name, compared in the train side's execution order."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.norms import RMSNorm
+from ..models.qwen_image.transformer import FeedForward, JointAttention, OutputNorm, TimestepEmbedding, TransformerBlock
+from ..models.qwen_image.weights import diffusers_module_name
+
+# Engine modules whose output means the same as the diffusers module of the mapped name. (The engine's fused
+# norm+modulation modules have no single diffusers counterpart, so they are compared through their consumers.)
+_COMPARABLE = (Linear, RMSNorm, TimestepEmbedding, JointAttention, FeedForward, TransformerBlock, OutputNorm)
+
+
+@dataclass
+class LayerDiff:
+    module: str
+    max_abs_diff: float
+    mean_abs_diff: float
+
+
+def _tensors(out) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+@contextmanager
+def capture(model: nn.Module, names: dict[str, tuple[str, int | None]]):
+    """Record outputs of `model`'s modules: names maps module name -> (report name, element index or None).
+    Yields a dict report name -> tensor, in execution order."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    modules = dict(model.named_modules())
+    for mod_name, targets in names.items():
+        def hook(_m, _inp, out, targets=targets):
+            outs = _tensors(out)
+            for report_name, index in targets:
+                # flattened, so a tuple output (a block's two streams) compares as one tensor and a packed slot
+                # as the separate layer's output
+                picked = outs if index is None else (outs[index],)
+                seen[report_name] = torch.cat([o.detach().flatten() for o in picked])
+        handles.append(modules[mod_name].register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def engine_targets(engine: nn.Module) -> dict[str, list[tuple[str, int | None]]]:
+    """Engine module -> [(diffusers module name, output index)], one per packed slot for q/k/v layers."""
+    out = {}
+    for name, mod in engine.named_modules():
+        if isinstance(mod, _COMPARABLE) and name:
+            if isinstance(mod, Linear) and mod.packed:
+                out[name] = [(diffusers_module_name(name, i), i) for i in range(len(mod.splits))]
+            else:
+                out[name] = [(diffusers_module_name(name), None)]
+    return out
+
+
+def compare(train_out: dict[str, torch.Tensor], engine_out: dict[str, torch.Tensor]) -> list[LayerDiff]:
+    """Differences for the names both sides recorded, in the train side's execution order."""
+    rows = []
+    for name, t in train_out.items():
+        e = engine_out.get(name)
+        if e is None or e.shape != t.shape:
+            continue
+        d = (e.float() - t.float()).abs()
+        rows.append(LayerDiff(name, d.max().item(), d.mean().item()))
+    return rows

@@ -1,0 +1,183 @@
+"""The parity probe: the train-side forward (diffusers + PEFT) and the engine forward on the same seeded
+inputs, compared bitwise, with a per-layer report naming the first module that differs."""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import loading
+from ..engine.weights import build_engine_transformer, update_lora
+from ..models.qwen_image.transformer import QwenImageConfig, QwenImageTransformer
+from ..patches import get_group
+from ..train import model as train_model
+from .layers import LayerDiff, capture, compare, engine_targets
+
+VAE_SCALE = 8  # pixels per latent; latents are packed 2x2 into tokens, so one token covers 16x16 pixels
+
+
+@dataclass
+class ProbeSpec:
+    checkpoint: str | None = None  # a diffusers pipeline folder; or
+    random_size: str | None = None  # an in-memory architecture with seeded random weights (tiny|one_block|full)
+    batch: int = 1
+    text_len: int = 7
+    resolution: int = 64
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_b_std: float = 0.02  # B initialised non-zero so the adapter matters from the first forward
+    dtype: str = "bf16"
+    seed: int = 0
+    device: str = "cpu"
+    lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
+
+    def torch_dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+
+@dataclass
+class ProbeResult:
+    patch_group: str
+    disabled_patches: list[str]
+    patches_applied: list[str]
+    model_output_max_abs_diff: float
+    model_output_mean_abs_diff: float
+    bitwise_equal: bool
+    first_differing_module: str | None
+    first_differing_max_abs_diff: float | None
+    train_attention_backend: str
+    engine_attention_backend: str
+    layers: list[LayerDiff] = field(default_factory=list)
+
+    def to_json(self, with_layers: bool = True) -> dict:
+        d = asdict(self)
+        if not with_layers:
+            d.pop("layers")
+        return d
+
+
+class ParityProbe:
+    """Builds the train side and its output once; `run(group, disabled)` builds an engine and compares."""
+
+    def __init__(self, spec: ProbeSpec):
+        if spec.resolution % (2 * VAE_SCALE):
+            raise ValueError(f"--resolution {spec.resolution} must be a multiple of {2 * VAE_SCALE} pixels")
+        if (spec.checkpoint is None) == (spec.random_size is None):
+            raise ValueError("give exactly one of a checkpoint folder or a random in-memory size")
+        self.spec = s = spec
+        dtype, device = s.torch_dtype(), torch.device(s.device)
+        # The train side runs on its compute copy: fp32 values cast once to the compute dtype (DESIGN 3b).
+        if s.checkpoint is not None:
+            self.config = loading.read_transformer_config(s.checkpoint)
+            self.state_dict = loading.read_transformer_state_dict(s.checkpoint)
+            self.train = train_model.load_transformer(s.checkpoint, dtype)
+        else:
+            from ..models.qwen_image.configs import build_transformer, transformer_config
+
+            self.config = transformer_config(s.random_size)
+            self.train = build_transformer(self.config, seed=s.seed, dtype=dtype)
+            self.state_dict = self.train.state_dict()
+        self.train.to(device).eval().requires_grad_(False)
+        self.lora = None
+        if s.lora_rank:
+            spec_l = train_model.LoraSpec(rank=s.lora_rank, alpha=s.lora_alpha)
+            train_model.add_lora(self.train, spec_l, b_init_std=s.lora_b_std, seed=s.seed + 1)
+            self.lora = (train_model.lora_state_dict(self.train), spec_l.scale)
+        self.inputs = make_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed, device)
+        self.train_backend = train_model.default_backend(dtype)
+        names = {n: [(n, None)] for n in _report_names(self.config)}
+        with torch.no_grad(), capture(self.train, names) as seen:
+            self.train_output = train_model.train_forward(
+                self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
+                self.inputs["timestep"].to(dtype), self.inputs["img_shape"], backend=self.train_backend)
+        self.train_layers = dict(seen)
+
+    def build_engine(self, patch_group: str, disabled=()):
+        s = self.spec
+        engine = build_engine_transformer(self.config, self.state_dict, s.device, s.torch_dtype(), patch_group, disabled)
+        if self.lora is not None:
+            update_lora(engine, self.lora[0], self.lora[1], s.lora_merge_mode)
+        return engine
+
+    def run(self, patch_group: str = "none", disabled=()) -> tuple[ProbeResult, torch.Tensor]:
+        engine = self.build_engine(patch_group, disabled)
+        with torch.no_grad(), capture(engine, engine_targets(engine)) as seen:
+            out = engine(self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
+                         self.inputs["timestep"], self.inputs["img_shape"])
+        rows = compare(self.train_layers, seen)
+        first = next((r for r in rows if r.max_abs_diff > 0), None)
+        d = (out.float() - self.train_output.float()).abs()
+        result = ProbeResult(
+            patch_group=patch_group, disabled_patches=list(disabled), patches_applied=list(engine.patches_applied),
+            model_output_max_abs_diff=d.max().item(), model_output_mean_abs_diff=d.mean().item(),
+            bitwise_equal=torch.equal(out, self.train_output),
+            first_differing_module=first.module if first else None,
+            first_differing_max_abs_diff=first.max_abs_diff if first else None,
+            train_attention_backend=self.train_backend,
+            engine_attention_backend=engine.transformer_blocks[0].attn.backend if len(engine.transformer_blocks) else "-",
+            layers=rows)
+        del engine, seen
+        gc.collect()
+        return result, out
+
+    def ablate(self, patch_group: str) -> list[ProbeResult]:
+        """The whole group, then each patch switched off alone, then no group."""
+        group = get_group(patch_group)
+        if group is None:
+            raise ValueError("--ablate needs a patch group (e.g. --patch-group qwen_image)")
+        runs = [(patch_group, ())] + [(patch_group, (p,)) for p in group.patch_names] + [("none", ())]
+        return [self.run(g, d)[0] for g, d in runs]
+
+    def save(self, out_dir: str | Path, result: ProbeResult, engine_output: torch.Tensor) -> Path:
+        """Inputs, engine output, the LoRA (PEFT format) and a manifest: what an outside script needs to rerun
+        the train side with diffusers + PEFT alone (docs/parity-probe.md)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        s = self.spec
+        tensors = {k: v.contiguous().cpu() for k, v in self.inputs.items() if isinstance(v, torch.Tensor)}
+        tensors["timestep_train"] = self.inputs["timestep"].to(s.torch_dtype()).cpu()
+        tensors["engine_output"] = engine_output.contiguous().cpu()
+        save_file(tensors, str(out / "inputs.safetensors"))
+        files = ["inputs.safetensors"]
+        if self.lora is not None:
+            save_file({k: v.contiguous().cpu() for k, v in self.lora[0].items()}, str(out / "lora.safetensors"))
+            files.append("lora.safetensors")
+        manifest = {
+            "format": "trueflow-parity-probe/1",
+            "checkpoint": str(Path(s.checkpoint).resolve()) if s.checkpoint else None,
+            "random_size": s.random_size, "seed": s.seed,
+            "dtype": s.dtype, "img_shape": list(self.inputs["img_shape"]),
+            "train_attention_backend": self.train_backend,
+            "lora": None if self.lora is None else {
+                "rank": s.lora_rank, "alpha": s.lora_alpha if s.lora_alpha is not None else s.lora_rank,
+                "target_modules": list(train_model.DEFAULT_LORA_TARGETS), "file": "lora.safetensors"},
+            "files": files,
+            "result": result.to_json(with_layers=False),
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        return out
+
+
+def _report_names(config: dict) -> list[str]:
+    """The diffusers module names the engine can be compared on (from a parameter-free meta-device engine)."""
+    with torch.device("meta"):
+        engine = QwenImageTransformer(QwenImageConfig.from_dict(config))
+    return [name for targets in engine_targets(engine).values() for name, _ in targets]
+
+
+def make_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
+    """Seeded probe inputs: packed latents, text embeddings, and one timestep shared by the batch (as a denoising
+    step has), kept in fp32 as the schedule gives it."""
+    g = torch.Generator().manual_seed(seed)
+    side = resolution // (2 * VAE_SCALE)
+    hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
+    ehs = torch.randn(batch, text_len, config["joint_attention_dim"], generator=g)
+    t = torch.rand(1, generator=g).expand(batch).contiguous()
+    return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
+            "timestep": t.to(device), "img_shape": (side, side)}

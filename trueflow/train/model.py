@@ -1,0 +1,99 @@
+"""The train-side reference model: diffusers' QwenImageTransformer2DModel, LoRA through PEFT.
+
+Precision contract (DESIGN 3b, docs/precision.md): fp32 master weights (LoRA included) that the optimizer
+updates, and bf16 *compute copies* that run the forward without autocast. The rollout engine receives exactly
+the compute copies' values.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from diffusers import QwenImageTransformer2DModel
+from diffusers.models.attention_dispatch import attention_backend
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+DEFAULT_LORA_TARGETS = (
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+)
+PARITY_BACKEND = "_native_flash"  # the flash kernel, also what the engine pins under the qwen_image group
+MASKED_BACKEND = "native"  # diffusers' `_native_flash` raises on any mask; this is where a masked batch goes
+
+
+@dataclass
+class LoraSpec:
+    rank: int
+    alpha: float | None = None  # default: alpha = rank (scale 1)
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    init: str | bool = True  # PEFT's init_lora_weights: B = 0 (True), "gaussian", ...
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def peft_config(self) -> LoraConfig:
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,
+                          target_modules=list(self.target_modules), init_lora_weights=self.init, **self.extra)
+
+
+def default_backend(dtype: torch.dtype) -> str:
+    """The flash kernel takes bf16/fp16 only; fp32 runs diffusers' native SDPA."""
+    return PARITY_BACKEND if dtype in (torch.bfloat16, torch.float16) else MASKED_BACKEND
+
+
+def add_lora(model: QwenImageTransformer2DModel, spec: LoraSpec, b_init_std: float = 0.0, seed: int = 0) -> None:
+    """Attach a PEFT LoRA adapter through diffusers' `add_adapter` (which keeps the model's dtype). With
+    `b_init_std > 0`, B is drawn from a seeded normal so the adapter changes the output from the start."""
+    model.add_adapter(spec.peft_config())
+    if b_init_std > 0:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters()):
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * b_init_std)
+
+
+def compute_copy(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The bf16 compute copy of fp32 masters (no autocast anywhere; each op runs in the copy's dtype)."""
+    return copy.deepcopy(master).to(dtype)
+
+
+def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in PEFT's format (`...to_q.lora_A.weight`), as the engine and diffusers load them."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def train_forward(
+    model: QwenImageTransformer2DModel,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    img_shape: tuple[int, int],
+    encoder_hidden_states_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """One forward with the attention backend chosen through diffusers' dispatch. `timestep` is t/1000 in the
+    latent dtype, as QwenImagePipeline passes it. A mask under `_native_flash` (which raises on masks) falls
+    back to the masked native backend, with a warning that the batch is no longer bitwise comparable."""
+    backend = backend or default_backend(hidden_states.dtype)
+    if encoder_hidden_states_mask is not None and backend == PARITY_BACKEND:
+        warnings.warn("train forward got a non-trivial text mask: falling back from `_native_flash` to the masked "
+                      f"`{MASKED_BACKEND}` backend; the kernel differs from the rollout's, so parity is not bitwise "
+                      "(DESIGN 3, condition 2: mixed prompt lengths in one micro-batch)", stacklevel=2)
+        backend = MASKED_BACKEND
+    shapes = [(1, img_shape[0], img_shape[1])] * hidden_states.shape[0]
+    with attention_backend(backend):
+        return model(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                     encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep,
+                     img_shapes=shapes, return_dict=False)[0]
+
+
+def load_transformer(checkpoint: str, dtype: torch.dtype = torch.float32) -> QwenImageTransformer2DModel:
+    """diffusers' transformer from a checkpoint folder: fp32 for masters, or cast once to a compute dtype."""
+    return QwenImageTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", dtype=dtype)
