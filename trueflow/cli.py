@@ -40,6 +40,8 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
     p.add_argument("--lora-merge-mode", choices=("unmerged", "merged"), default=None,
                    help="how the engine takes the LoRA (default: the patch group's choice)")
+    p.add_argument("--layer-report", choices=("all", "blocks"), default="all",
+                   help="modules compared per layer: all, or whole blocks only (less memory at full size)")
     p.add_argument("--ablate", action="store_true", help="also run with each patch of the group switched off alone")
     p.add_argument("--save", metavar="DIR", help="write inputs, engine output, LoRA and a manifest to DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,7 +53,8 @@ def _run_parity(a: argparse.Namespace) -> int:
 
     spec = ProbeSpec(checkpoint=a.checkpoint, random_size=a.random_size, batch=a.batch, text_len=a.text_len,
                      resolution=a.resolution, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, dtype=a.dtype,
-                     seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode)
+                     seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
+                     layer_report=a.layer_report)
     probe = ParityProbe(spec)
     result, engine_output = probe.run(a.patch_group, tuple(a.disable_patch))
     ablation = probe.ablate(a.patch_group) if a.ablate else None

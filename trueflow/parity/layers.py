@@ -53,10 +53,18 @@ def capture(model: nn.Module, names: dict[str, tuple[str, int | None]]):
             h.remove()
 
 
-def engine_targets(engine: nn.Module) -> dict[str, list[tuple[str, int | None]]]:
-    """Engine module -> [(diffusers module name, output index)], one per packed slot for q/k/v layers."""
+LAYER_REPORTS = ("all", "blocks")
+
+
+def engine_targets(engine: nn.Module, layer_report: str = "all") -> dict[str, list[tuple[str, int | None]]]:
+    """Engine module -> [(diffusers module name, output index)], one per packed slot for q/k/v layers.
+    `blocks` keeps top-level modules and whole blocks only."""
+    if layer_report not in LAYER_REPORTS:
+        raise ValueError(f"unknown layer report {layer_report!r}; choose one of {', '.join(LAYER_REPORTS)}")
     out = {}
     for name, mod in engine.named_modules():
+        if layer_report == "blocks" and name.count(".") > (1 if name.startswith("transformer_blocks.") else 0):
+            continue
         if isinstance(mod, _COMPARABLE) and name:
             if isinstance(mod, Linear) and mod.packed:
                 out[name] = [(diffusers_module_name(name, i), i) for i in range(len(mod.splits))]

@@ -34,6 +34,7 @@ class ProbeSpec:
     seed: int = 0
     device: str = "cpu"
     lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
+    layer_report: str = "all"  # "blocks": only top-level modules and whole blocks (less memory at full size)
 
     def torch_dtype(self) -> torch.dtype:
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
@@ -79,7 +80,7 @@ class ParityProbe:
             from ..models.qwen_image.configs import build_transformer, transformer_config
 
             self.config = transformer_config(s.random_size)
-            self.train = build_transformer(self.config, seed=s.seed, dtype=dtype)
+            self.train = build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)
             self.state_dict = self.train.state_dict()
         self.train.to(device).eval().requires_grad_(False)
         self.lora = None
@@ -89,11 +90,15 @@ class ParityProbe:
             self.lora = (train_model.lora_state_dict(self.train), spec_l.scale)
         self.inputs = make_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed, device)
         self.train_backend = train_model.default_backend(dtype)
-        names = {n: [(n, None)] for n in _report_names(self.config)}
+        self._train_forward()
+
+    def _train_forward(self) -> None:
+        names = {n: [(n, None)] for n in _report_names(self.config, self.spec.layer_report)}
         with torch.no_grad(), capture(self.train, names) as seen:
             self.train_output = train_model.train_forward(
                 self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
-                self.inputs["timestep"].to(dtype), self.inputs["img_shape"], backend=self.train_backend)
+                self.inputs["timestep"].to(self.spec.torch_dtype()), self.inputs["img_shape"],
+                backend=self.train_backend)
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):
@@ -103,15 +108,35 @@ class ParityProbe:
             update_lora(engine, self.lora[0], self.lora[1], s.lora_merge_mode)
         return engine
 
+    @torch.no_grad()
+    def step_lora(self, engine, seed: int, std: float = 1e-3) -> None:
+        """A stand-in optimizer step: seeded noise on the train side's LoRA, then the same weight update pushed
+        to `engine` (PEFT-format tensors, as weight sync sends them). The train forward is re-run."""
+        if self.lora is None:
+            raise ValueError("step_lora needs a probe with a LoRA (lora_rank > 0)")
+        g = torch.Generator().manual_seed(seed)
+        for name, p in sorted(self.train.named_parameters()):
+            if ".lora_" in name:
+                p.add_((torch.randn(p.shape, generator=g) * std).to(p.device, p.dtype))
+        self.lora = (train_model.lora_state_dict(self.train), self.lora[1])
+        self._train_forward()
+        update_lora(engine, self.lora[0], self.lora[1], self.spec.lora_merge_mode)
+
     def run(self, patch_group: str = "none", disabled=()) -> tuple[ProbeResult, torch.Tensor]:
         engine = self.build_engine(patch_group, disabled)
-        with torch.no_grad(), capture(engine, engine_targets(engine)) as seen:
+        result, out = self.compare_engine(engine, patch_group, disabled)
+        del engine
+        gc.collect()
+        return result, out
+
+    def compare_engine(self, engine, patch_group: str, disabled=()) -> tuple[ProbeResult, torch.Tensor]:
+        with torch.no_grad(), capture(engine, engine_targets(engine, self.spec.layer_report)) as seen:
             out = engine(self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
                          self.inputs["timestep"], self.inputs["img_shape"])
         rows = compare(self.train_layers, seen)
         first = next((r for r in rows if r.max_abs_diff > 0), None)
         d = (out.float() - self.train_output.float()).abs()
-        result = ProbeResult(
+        return ProbeResult(
             patch_group=patch_group, disabled_patches=list(disabled), patches_applied=list(engine.patches_applied),
             model_output_max_abs_diff=d.max().item(), model_output_mean_abs_diff=d.mean().item(),
             bitwise_equal=torch.equal(out, self.train_output),
@@ -119,10 +144,7 @@ class ParityProbe:
             first_differing_max_abs_diff=first.max_abs_diff if first else None,
             train_attention_backend=self.train_backend,
             engine_attention_backend=engine.transformer_blocks[0].attn.backend if len(engine.transformer_blocks) else "-",
-            layers=rows)
-        del engine, seen
-        gc.collect()
-        return result, out
+            layers=rows), out
 
     def ablate(self, patch_group: str) -> list[ProbeResult]:
         """The whole group, then each patch switched off alone, then no group."""
@@ -164,11 +186,11 @@ class ParityProbe:
         return out
 
 
-def _report_names(config: dict) -> list[str]:
+def _report_names(config: dict, layer_report: str) -> list[str]:
     """The diffusers module names the engine can be compared on (from a parameter-free meta-device engine)."""
     with torch.device("meta"):
         engine = QwenImageTransformer(QwenImageConfig.from_dict(config))
-    return [name for targets in engine_targets(engine).values() for name, _ in targets]
+    return [name for targets in engine_targets(engine, layer_report).values() for name, _ in targets]
 
 
 def make_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
