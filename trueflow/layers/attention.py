@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -21,9 +23,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
     attn_mask = None if mask is None else mask[:, None, None, :]
     kernel = BACKENDS[backend]
+    if kernel == SDPBackend.FLASH_ATTENTION and attn_mask is not None:
+        warnings.warn("attention got a non-trivial text mask while the flash kernel is pinned: the flash kernel takes "
+                      "no mask, so this batch runs PyTorch's masked kernel and is not bitwise equal to the train side "
+                      "(DESIGN 3 condition 2; usually mixed prompt lengths in one batch)", stacklevel=2)
     if kernel is None or (kernel == SDPBackend.FLASH_ATTENTION and (attn_mask is not None or q.dtype == torch.float32)):
         # The flash kernel takes no mask and no fp32; such calls run on PyTorch's own choice, as diffusers' masked
-        # fallback does. Parity mode warns about masks before it gets here (trueflow.collate).
+        # fallback does.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     else:
         with sdpa_kernel(kernel):

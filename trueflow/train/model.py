@@ -48,9 +48,12 @@ def default_backend(dtype: torch.dtype) -> str:
 
 
 def add_lora(model: QwenImageTransformer2DModel, spec: LoraSpec, b_init_std: float = 0.0, seed: int = 0) -> None:
-    """Attach a PEFT LoRA adapter through diffusers' `add_adapter` (which keeps the model's dtype). With
-    `b_init_std > 0`, B is drawn from a seeded normal so the adapter changes the output from the start."""
-    model.add_adapter(spec.peft_config())
+    """Attach a PEFT LoRA adapter through diffusers' `add_adapter` (which keeps the model's dtype). PEFT draws A
+    from the global RNG, so the attach runs under a forked RNG seeded with `seed`: the same seed, the same
+    adapter. With `b_init_std > 0`, B is drawn from a seeded normal so the adapter matters from the start."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model.add_adapter(spec.peft_config())
     if b_init_std > 0:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
