@@ -8,7 +8,8 @@ import torch
 
 from .. import loading
 from ..models.qwen_image.transformer import QwenImageTransformer, build_model
-from ..models.qwen_image.weights import load_weights, parse_peft_state_dict, set_lora
+from ..layers.linear import Linear
+from ..models.qwen_image.weights import diffusers_module_name, load_weights, parse_peft_state_dict, set_lora
 from ..patches import apply_patch_group
 
 LORA_MERGE_MODES = ("unmerged", "merged")
@@ -54,3 +55,16 @@ def update_lora(model: QwenImageTransformer, peft_state_dict: dict[str, torch.Te
     """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing (a bad update raises and leaves the
     previous weights in place)."""
     set_lora(model, parse_peft_state_dict(peft_state_dict), scale, merge=resolve_lora_merge(model, merge_mode))
+
+
+def lora_state(model: QwenImageTransformer) -> dict[str, torch.Tensor]:
+    """The installed LoRA (merged or not) as PEFT-format tensors, under diffusers' module names: what a weight
+    sync sent, read back from the engine's layers (the engine side of the sync checksum)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            for slot, a in enumerate(mod.adapters):
+                if a is not None:
+                    prefix = diffusers_module_name(name, slot if mod.packed else None)
+                    out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
+    return out

@@ -38,8 +38,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.unpacked = False
-        self.adapters: list[LoraAdapter | None] = [None] * len(self.splits)  # unmerged adapters, per split
-        self.base_weight: torch.Tensor | None = None  # the un-merged weight while a merged LoRA is in `weight`
+        self.adapters: list[LoraAdapter | None] = [None] * len(self.splits)  # the installed LoRA, per split
+        self.base_weight: torch.Tensor | None = None  # the un-merged weight while the LoRA is merged into `weight`
+
+    @property
+    def merged(self) -> bool:
+        return self.base_weight is not None
 
     @property
     def packed(self) -> bool:
@@ -50,17 +54,18 @@ class Linear(nn.Module):
         return slice(start, start + self.splits[i])
 
     def forward(self, x: torch.Tensor):
+        adapters = [None] * len(self.splits) if self.merged else self.adapters
         if self.packed and self.unpacked:
             outs = []
             for i in range(len(self.splits)):
                 s = self._slot(i)
                 # The bias stays in the GEMM call: F.linear(x, W, b) is not bitwise F.linear(x, W) + b.
                 y = F.linear(x, self.weight[s], None if self.bias is None else self.bias[s])
-                outs.append(y if self.adapters[i] is None else y + lora_delta_reference(x, self.adapters[i]))
+                outs.append(y if adapters[i] is None else y + lora_delta_reference(x, adapters[i]))
             return tuple(outs)
         y = F.linear(x, self.weight, self.bias)
         outs = y.split(self.splits, dim=-1) if self.packed else (y,)
-        outs = tuple(o if a is None else o + lora_delta_reference(x, a) for o, a in zip(outs, self.adapters))
+        outs = tuple(o if a is None else o + lora_delta_reference(x, a) for o, a in zip(outs, adapters))
         return outs if self.packed else outs[0]
 
     # -- weight updates -------------------------------------------------------------------------------------
@@ -69,8 +74,8 @@ class Linear(nn.Module):
         """Replace this layer's LoRA. Merged: W = W_base + scale·B·A, formed in fp32 and rounded once (the
         serving-engine merge). Unmerged: the adapters are kept and evaluated in every forward."""
         self.clear_lora()
+        self.adapters = list(adapters)
         if not merge:
-            self.adapters = list(adapters)
             return
         self.base_weight = self.weight.detach().clone()
         merged = self.weight.float()
@@ -78,7 +83,6 @@ class Linear(nn.Module):
             if a is not None:
                 merged[self._slot(i)] += a.scale * (a.B.float() @ a.A.float())
         self.weight.copy_(merged.to(self.weight.dtype))
-        self.adapters = [None] * len(self.splits)
 
     @torch.no_grad()
     def clear_lora(self) -> None:

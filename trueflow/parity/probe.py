@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import loading
+from ..engine.trajectory import model_timestep
 from ..engine.weights import build_engine_transformer, update_lora
 from ..models.qwen_image.transformer import QwenImageConfig, QwenImageTransformer
 from ..patches import get_group
@@ -97,7 +98,7 @@ class ParityProbe:
         with torch.no_grad(), capture(self.train, names) as seen:
             self.train_output = train_model.train_forward(
                 self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
-                self.inputs["timestep"].to(self.spec.torch_dtype()), self.inputs["img_shape"],
+                model_timestep(self.inputs["timestep"], self.spec.torch_dtype()), self.inputs["img_shape"],
                 backend=self.train_backend)
         self.train_layers = dict(seen)
 
@@ -163,7 +164,7 @@ class ParityProbe:
         out.mkdir(parents=True, exist_ok=True)
         s = self.spec
         tensors = {k: v.contiguous().cpu() for k, v in self.inputs.items() if isinstance(v, torch.Tensor)}
-        tensors["timestep_train"] = self.inputs["timestep"].to(s.torch_dtype()).cpu()
+        tensors["timestep_train"] = model_timestep(self.inputs["timestep"], s.torch_dtype()).cpu()
         tensors["engine_output"] = engine_output.contiguous().cpu()
         save_file(tensors, str(out / "inputs.safetensors"))
         files = ["inputs.safetensors"]
@@ -194,12 +195,12 @@ def _report_names(config: dict, layer_report: str) -> list[str]:
 
 
 def make_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
-    """Seeded probe inputs: packed latents, text embeddings, and one timestep shared by the batch (as a denoising
-    step has), kept in fp32 as the schedule gives it."""
+    """Seeded probe inputs: packed latents, text embeddings, and one schedule timestep (fp32, 0..1000) shared by
+    the batch, as a denoising step has. The engine takes it as is; the train side as the pipeline passes it."""
     g = torch.Generator().manual_seed(seed)
     side = resolution // (2 * VAE_SCALE)
     hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
     ehs = torch.randn(batch, text_len, config["joint_attention_dim"], generator=g)
-    t = torch.rand(1, generator=g).expand(batch).contiguous()
+    t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
     return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
             "timestep": t.to(device), "img_shape": (side, side)}

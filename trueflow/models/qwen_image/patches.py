@@ -88,9 +88,10 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, ta
 
 # -- timestep ------------------------------------------------------------------------------------------------
 def timestep_proj_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The pipeline passes t/1000 in the latent dtype, so `t` is rounded to bf16 first; diffusers' Timesteps
-    then computes `1000 · (t·ω)` in fp32 (the product first, then the scale) and concatenates [cos, sin]."""
-    t = t.to(dtype)
+    """The pipeline passes `t.to(latent dtype) / 1000` (t rounded to bf16, then the quotient rounded again), and
+    diffusers' Timesteps computes `1000 · (t·ω)` in fp32 (the product first, then the scale) and concatenates
+    [cos, sin]."""
+    t = t.to(dtype) / 1000
     half = TIMESTEP_CHANNELS // 2
     exponent = -math.log(10000) * torch.arange(start=0, end=half, dtype=torch.float32, device=t.device)
     exponent = exponent / (half - 0)
@@ -129,7 +130,7 @@ GROUP = PatchGroup("qwen_image", (
           _set(JointAttention, "contiguous_split", True)),
     Patch("unpacked_qkv", "separate q/k/v GEMMs with the bias in the same call",
           _set(Linear, "unpacked", True)),
-    Patch("timestep_dtype", "the timestep rounded to the latent dtype before the fp32 sinusoid",
+    Patch("timestep_dtype", "the timestep as the pipeline passes it, t.to(bf16)/1000, before the fp32 sinusoid",
           _set(TimestepEmbedding, "proj_impl", timestep_proj_reference)),
     Patch("flash_attention", "the SDPA flash kernel pinned, as the train side's `_native_flash` backend",
           _set(JointAttention, "backend", "flash")),

@@ -68,11 +68,11 @@ TIMESTEP_CHANNELS = 256
 
 
 def timestep_proj_fused(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sinusoidal projection of `t` (the schedule's t/1000, fp32) with flip_sin_to_cos and scale 1000:
-    [cos, sin] of `1000·t·ω`, all in fp32 from the fp32 timestep."""
+    """Sinusoidal projection of the schedule timestep `t` (fp32, 0..1000) with flip_sin_to_cos: [cos, sin] of
+    `t·ω`, in fp32 from the fp32 timestep (the model's /1000 and the embedder's ·1000 cancel exactly)."""
     half = TIMESTEP_CHANNELS // 2
     freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / half))
-    args = (t.float() * 1000.0)[:, None] * freqs[None, :]
+    args = t.float()[:, None] * freqs[None, :]
     return torch.cat([args.cos(), args.sin()], dim=-1).to(dtype)
 
 
@@ -229,7 +229,7 @@ class QwenImageTransformer(nn.Module):
         encoder_hidden_states_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states: packed latents [B, H·W, C]; encoder_hidden_states: [B, L, joint_dim]; timestep: [B]
-        fp32 t/1000 values; img_shape: (H, W) in patches; mask: bool [B, L] or None (all tokens valid)."""
+        fp32 schedule timesteps (0..1000; the model's own timestep path decides how it is scaled and rounded); img_shape: (H, W) in patches; mask: bool [B, L] or None (all tokens valid)."""
         img = self.img_in(hidden_states)
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(timestep, img.dtype)

@@ -144,6 +144,6 @@ def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]
                 mod.clear_lora()
                 continue
             dtype = mod.weight.dtype
-            mod.set_lora([None if s is None else LoraAdapter(s[0].to(mod.weight.device, dtype),
-                                                             s[1].to(mod.weight.device, dtype), scale)
+            mod.set_lora([None if s is None else LoraAdapter(s[0].to(mod.weight.device, dtype, copy=True),
+                                                             s[1].to(mod.weight.device, dtype, copy=True), scale)
                           for s in slots], merge=merge)

@@ -1,0 +1,1 @@
+"""What the algorithm is (advantages, losses), independent of engines and models."""

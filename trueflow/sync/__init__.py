@@ -1,0 +1,1 @@
+"""Weight sync between trainer and engine: checksums, buckets, IPC transport."""

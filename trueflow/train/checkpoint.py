@@ -1,0 +1,100 @@
+"""Training checkpoints, written atomically, resumed exactly.
+
+Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
+  pytorch_lora_weights.safetensors  the LoRA masters in fp32, PEFT names with diffusers' `transformer.` prefix —
+                                    `QwenImagePipeline.load_lora_weights(dir)` loads it (cast to the pipeline's dtype)
+  adapter_config.json               rank, alpha, target modules (PEFT's LoraConfig)
+  optimizer.pt                      the optimizer's full (unsharded) state dict
+  trainer_state.json                step, rollout, metrics lines written, RNG states, settings
+  COMPLETE                          written last; a folder without it is ignored on resume
+A checkpoint is built in `.tmp-step-N` and renamed into place (os.replace is atomic on one file system), then
+`latest` is rewritten the same way. A run killed at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+DIFFUSERS_PREFIX = "transformer."
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(o):
+    return sorted(o) if isinstance(o, set) else str(o)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], adapter_config: dict,
+                    optimizer_state: dict, trainer_state: dict) -> Path:
+    """Rank 0 only. Returns the checkpoint folder."""
+    ckpts = root / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    final = ckpts / f"step-{step:06d}"
+    tmp = ckpts / f".tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({DIFFUSERS_PREFIX + k: v.contiguous().cpu() for k, v in lora_fp32.items()}, str(tmp / LORA_FILE))
+    # LoraConfig.to_dict() holds sets (target_modules) and enums; PEFT writes them as lists and strings too
+    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, default=_jsonable))
+    torch.save({"optimizer": optimizer_state, "rng": rng_state()}, tmp / "optimizer.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    (tmp / "COMPLETE").write_text("ok\n")
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write_text(ckpts / "latest", final.name + "\n")
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint: the one `latest` names, or failing that the newest folder with COMPLETE."""
+    ckpts = root / "checkpoints"
+    pointer = ckpts / "latest"
+    if pointer.is_file():
+        d = ckpts / pointer.read_text().strip()
+        if (d / "COMPLETE").is_file():
+            return d
+    done = sorted(d for d in ckpts.glob("step-*") if (d / "COMPLETE").is_file()) if ckpts.is_dir() else []
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(LoRA fp32 masters by PEFT name, optimizer+rng state, trainer state)."""
+    missing = [f for f in (LORA_FILE, "optimizer.pt", "trainer_state.json", "COMPLETE") if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); "
+                                "remove it or resume from an earlier one")
+    lora = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path / LORA_FILE)).items()}
+    extra = torch.load(path / "optimizer.pt", weights_only=False)
+    return lora, extra, json.loads((path / "trainer_state.json").read_text())

@@ -1,0 +1,64 @@
+"""The process group of a training run: torchrun's, or a one-rank group on loopback for the embedded default
+(so one code path — FSDP2 — serves one process and many)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str) -> DistContext:
+    """gloo on CPU, NCCL on CUDA. Under torchrun the env names rank and world; otherwise a one-rank group on
+    127.0.0.1. A CUDA rank takes the GPU of its local rank."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return DistContext(rank, world, torch.device("cuda", local))
+    return DistContext(rank, world, torch.device(device))
+
+
+def all_reduce(values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+    """`op` (MAX for the parity metrics, SUM for totals) over ranks of each value."""
+    if not values or dist.get_world_size() == 1:
+        return dict(values)
+    t = torch.tensor(list(values.values()), dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op)
+    return dict(zip(values, t.tolist()))
+
+
+def broadcast_object(obj, src: int = 0):
+    """`obj` from rank `src` to every rank (the rollout, produced by the engine on rank 0)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,53 @@
+"""The policy being trained: diffusers' transformer + a PEFT LoRA, sharded with FSDP2 under the precision
+contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
+frozen base stored as its bf16 compute copy (value-identical to casting fp32 masters each step, half the memory).
+The model itself knows nothing of parallelism; `shard` applies FSDP2 to the built model."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from .model import LoraSpec, add_lora, load_transformer
+
+_LORA_PARAM = re.compile(r"\.lora_[AB]\.default\.weight$")
+
+
+def build_policy(checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype, device: torch.device,
+                 seed: int) -> nn.Module:
+    model = load_transformer(checkpoint, compute_dtype)
+    add_lora(model, spec, seed=seed)  # PEFT's init (B = 0), seeded
+    for name, p in model.named_parameters():
+        is_lora = bool(_LORA_PARAM.search(name))
+        if is_lora:
+            p.data = p.data.float()  # the fp32 master; FSDP2 casts it to the compute dtype for each forward
+        p.requires_grad_(is_lora)
+    return shard(model.to(device), compute_dtype)
+
+
+def shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    """FSDP2, one unit per transformer block and one for the rest (torchtitan's layout)."""
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in model.transformer_blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """LoRA masters by PEFT state-dict name (`transformer_blocks.0.attn.to_q.lora_A.weight`)."""
+    return {name.replace(".default", ""): p for name, p in model.named_parameters() if _LORA_PARAM.search(name)}
+
+
+@torch.no_grad()
+def lora_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Unsharded LoRA tensors (a collective: every rank calls it). With `dtype` = the compute dtype these are
+    exactly the compute copies the forward used — what the engine must receive."""
+    out = {}
+    for name, p in lora_parameters(model).items():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        out[name] = full.to(dtype) if dtype is not None else full.clone()
+    return out

@@ -1,0 +1,259 @@
+"""The GRPO loop: rollout -> rewards -> advantages -> train pairs -> micro-batches -> PPO-clip -> optimizer step ->
+LoRA sync -> next rollout, with the parity metrics measured at every optimizer step."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..engine.guidance import true_cfg
+from ..engine.samplers import cps_log_prob, sde_log_prob
+from ..rl.advantages import group_advantages
+from ..rl.loss import kl_penalty, ppo_clip_loss
+from ..sync.checksum import tensors_checksum
+from . import checkpoint as ckpt
+from .batch import TrainBatch, assemble
+from .config import TrainConfig
+from .dist import DistContext, all_reduce, broadcast_object
+from .metrics import MetricsWriter
+from .model import LoraSpec, train_forward
+from .pairs import micro_batches, rank_samples
+from .policy import build_policy, lora_full_state, lora_parameters
+from .prompts import load_prompts
+from .report import write_sample_grid, write_summary
+
+
+@dataclass
+class StepState:
+    step: int = 0  # optimizer steps done
+    rollout: int = 0  # rollouts done
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine, reward):
+        """`engine`: an in-process `Engine` or an `EngineClient` (rank 0 only; None elsewhere); `reward`: a reward
+        callable (rank 0 only)."""
+        self.cfg, self.ctx, self.engine, self.reward = cfg, ctx, engine, reward
+        self.out = Path(cfg.output_dir)
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+        self.prompts = load_prompts(cfg.prompts)
+        self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
+        self.model = build_policy(cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed)
+        self.params = list(lora_parameters(self.model).values())
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.state = StepState()
+        keep = None
+        if cfg.resume:
+            keep = self._resume()
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl",
+                                     self.out / "tensorboard" if cfg.tensorboard else None,
+                                     keep_lines=keep) if ctx.is_main else None
+        self.last_sync_checksum = self._sync() if ctx.is_main or ctx.world > 1 else None
+
+    # -- weight sync ---------------------------------------------------------------------------------------------
+    def _sync(self) -> dict:
+        """Send the LoRA compute copies to the engine; return both sides' checksums and the time taken."""
+        t0 = time.perf_counter()
+        state = lora_full_state(self.model, self.dtype)  # a collective: every rank takes part
+        if not self.ctx.is_main:
+            return {}
+        self.engine.update_lora(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
+        engine_sum = self.engine.lora_checksum()
+        return {"trainer_checksum": tensors_checksum(state), "engine_checksum": engine_sum,
+                "time_sync": time.perf_counter() - t0}
+
+    # -- one rollout and its optimizer steps ---------------------------------------------------------------------
+    def _rollout(self, index: int):
+        cfg = self.cfg
+        prompts = [self.prompts[(index * cfg.rollout_batch_size + i) % len(self.prompts)]
+                   for i in range(cfg.rollout_batch_size)]
+        payload = None
+        if self.ctx.is_main:
+            t0 = time.perf_counter()
+            rollout = self.engine.rollout(prompts, cfg.n_samples_per_prompt, self.sampling_params(),
+                                          seed=cfg.seed * 1_000_003 + index, record_snapshot=cfg.debug)
+            t1 = time.perf_counter()
+            from ..rewards.base import score
+
+            rewards, dropped = score(self.reward, rollout.images,
+                                     [p for p in prompts for _ in range(cfg.n_samples_per_prompt)],
+                                     on_error=cfg.reward_on_error)
+            t2 = time.perf_counter()
+            if cfg.debug:
+                from ..engine.snapshot import save_snapshot
+
+                save_snapshot(rollout, self.out / "snapshots" / f"rollout-{index:05d}.safetensors")
+            payload = (rollout, rewards, dropped, {"time_rollout": t1 - t0, "time_reward": t2 - t1})
+        return broadcast_object(payload) if self.ctx.world > 1 else payload
+
+    def sampling_params(self):
+        from ..engine.engine import SamplingParams
+
+        c = self.cfg
+        return SamplingParams(steps=c.steps, sampler=c.sampler, noise_level=c.noise_level, cfg_scale=c.cfg_scale,
+                              negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
+                              sde_window=c.sde_window, height=c.resolution, width=c.resolution,
+                              rollout_microgroup_size=c.rollout_microgroup_size)
+
+    def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
+        c = self.cfg
+        if c.sampler == "sde":
+            return sde_log_prob(b.next_latents, b.latents, guided, b.sigma, b.sigma_next, b.sigma_1, c.noise_level)
+        return cps_log_prob(b.next_latents, b.latents, guided, b.sigma, b.sigma_next, c.noise_level)
+
+    def _guided(self, b: TrainBatch) -> torch.Tensor:
+        """Both CFG branches as two separate forwards on the recorded inputs, combined as the engine does."""
+        def branch(embeds, mask):
+            return train_forward(self.model, b.latents, embeds, b.timestep, b.img_shape, mask,
+                                 backend=self.cfg.fsdp_attention_backend)
+
+        pos = branch(b.prompt_embeds, b.prompt_mask)
+        if b.negative_prompt_embeds is None:
+            return pos
+        return true_cfg(pos, branch(b.negative_prompt_embeds, b.negative_prompt_mask), self.cfg.cfg_scale)
+
+    def _train_step(self, rollout, advantages: torch.Tensor) -> dict:
+        cfg, ctx = self.cfg, self.ctx
+        sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
+        samples = rank_samples(sizes, ctx.world, ctx.rank, cfg.train_dp_split_mode)
+        batches = micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample, cfg.micro_batch_size_tstep)
+        maxes = {"model_output_max_abs_diff": 0.0, "log_prob_max_abs_diff": 0.0, "ratio_max_abs_dev_from_1": 0.0}
+        sums = {"model_output_abs_diff_sum": 0.0, "numel": 0.0, "ratio_sum": 0.0, "clipped": 0.0, "rows": 0.0,
+                "loss_sum": 0.0, "kl_sum": 0.0}
+        for rows in batches:
+            b = assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to)
+            guided = self._guided(b)
+            log_prob, mean, std = self._log_prob(b, guided)
+            loss, stats = ppo_clip_loss(log_prob, b.old_log_prob, b.advantages, cfg.clip_range)
+            kl = torch.zeros(())
+            if cfg.kl_beta:
+                with torch.no_grad(), _adapters_disabled(self.model):
+                    _, ref_mean, _ = self._log_prob(b, self._guided(b))
+                kl = kl_penalty(mean, ref_mean, std, b.sigma_next - b.sigma).mean()
+                loss = loss + cfg.kl_beta * kl
+            (loss / len(batches)).backward()
+            with torch.no_grad():
+                d = (guided.detach().float() - b.engine_guided.float()).abs()
+                ratio = torch.exp(log_prob.detach() - b.old_log_prob)
+                maxes["model_output_max_abs_diff"] = max(maxes["model_output_max_abs_diff"], d.max().item())
+                maxes["log_prob_max_abs_diff"] = max(maxes["log_prob_max_abs_diff"],
+                                                     (log_prob.detach() - b.old_log_prob).abs().max().item())
+                maxes["ratio_max_abs_dev_from_1"] = max(maxes["ratio_max_abs_dev_from_1"],
+                                                        stats.ratio_max_abs_dev_from_1)
+                sums["model_output_abs_diff_sum"] += d.sum().item()
+                sums["numel"] += d.numel()
+                sums["ratio_sum"] += ratio.sum().item()
+                sums["clipped"] += ((ratio - 1).abs() > cfg.clip_range).float().sum().item()
+                sums["rows"] += len(rows)
+                sums["loss_sum"] += loss.item()
+                sums["kl_sum"] += kl.item()
+        maxes = all_reduce(maxes, dist.ReduceOp.MAX)
+        sums = all_reduce(sums, dist.ReduceOp.SUM)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        before = lora_full_state(self.model)
+        if not cfg.debug_skip_optimizer_step:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        after = lora_full_state(self.model)
+        update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
+        n_batches = len(batches) * ctx.world
+        return {
+            **maxes,
+            "model_output_mean_abs_diff": sums["model_output_abs_diff_sum"] / max(sums["numel"], 1),
+            "ratio_mean": sums["ratio_sum"] / max(sums["rows"], 1),
+            "clip_frac": sums["clipped"] / max(sums["rows"], 1),
+            "loss": sums["loss_sum"] / n_batches,
+            "kl": sums["kl_sum"] / n_batches,
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "lora_update_norm": update,
+        }
+
+    # -- the run -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.cfg
+        bar = tqdm(total=cfg.num_rollouts, initial=self.state.rollout, unit="rollout", disable=not self.ctx.is_main,
+                   desc="train")
+        while self.state.rollout < cfg.num_rollouts:
+            index = self.state.rollout
+            rollout, rewards, dropped, times = self._rollout(index)
+            advantages = group_advantages(rewards, cfg.n_samples_per_prompt, cfg.adv_clip_max, cfg.global_std)
+            if dropped:
+                advantages[dropped] = 0.0  # a skipped group contributes no gradient
+            for k in range(cfg.num_steps_per_rollout):
+                t0 = time.perf_counter()
+                m = self._train_step(rollout, advantages)
+                t1 = time.perf_counter()
+                sync = self._sync()
+                self.state.step += 1
+                if self.ctx.is_main:
+                    record = {"step": self.state.step, "rollout": index, "step_in_rollout": k,
+                              "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item(),
+                              "dropped_samples": len(dropped), **m,
+                              "checksums_equal": sync["trainer_checksum"] == sync["engine_checksum"],
+                              "trainer_checksum": sync["trainer_checksum"], "engine_checksum": sync["engine_checksum"],
+                              **times, "time_train": t1 - t0, "time_sync": sync["time_sync"]}
+                    self.metrics.write(record)
+                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                                    diff=f"{record['model_output_max_abs_diff']:.1e}", ratio=f"{record['ratio_mean']:.6f}")
+                if cfg.save_every and self.state.step % cfg.save_every == 0:
+                    self.save()
+            self.state.rollout += 1
+            if self.ctx.is_main and cfg.sample_every and index % cfg.sample_every == 0:
+                write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+            bar.update()
+        bar.close()
+        self.save()
+        if self.ctx.is_main:
+            write_summary(self.out, cfg)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        lora = lora_full_state(self.model)
+        optim = get_optimizer_state_dict(self.model, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ctx.is_main:
+            ckpt.save_checkpoint(self.out, self.state.step, lora, self.lora_spec.peft_config().to_dict(), optim,
+                                 {"step": self.state.step, "rollout": self.state.rollout,
+                                  "metrics_lines": self.metrics.lines, "config": self.cfg.to_dict()})
+        if self.ctx.world > 1:
+            dist.barrier()
+
+    def _resume(self) -> int | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        path = ckpt.latest_checkpoint(self.out)
+        if path is None:
+            return 0  # nothing saved yet: start over, dropping any metrics of the killed run
+        lora, extra, state = ckpt.load_checkpoint(path)
+        with torch.no_grad():
+            for name, p in lora_parameters(self.model).items():
+                full = lora[name].to(p.device)
+                if hasattr(p, "full_tensor"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    full = distribute_tensor(full, p.device_mesh, p.placements)
+                p.copy_(full)
+        set_optimizer_state_dict(self.model, self.optimizer, extra["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        ckpt.set_rng_state(extra["rng"])
+        self.state = StepState(step=state["step"], rollout=state["rollout"])
+        return state["metrics_lines"]
+
+
+@contextmanager
+def _adapters_disabled(model):
+    """The LoRA-disabled base (the KL reference), through diffusers' PEFT integration."""
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
