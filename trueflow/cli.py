@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .options import add_engine_options
+from .options import add_engine_options, add_sampling_options
 
 
 # -- init-checkpoint -----------------------------------------------------------------------------------------
@@ -73,6 +73,66 @@ def _run_parity(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- generate ------------------------------------------------------------------------------------------------
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="diffusers pipeline folder")
+    p.add_argument("--prompt", required=True, help="the prompt")
+    p.add_argument("--negative-prompt", default=" ", help="negative prompt of true CFG (default: ' ')")
+    p.add_argument("--num-images", type=int, default=1, help="images of the prompt, run as one batch (default: 1)")
+    add_sampling_options(p)
+    p.add_argument("--resolution", type=int, default=64, help="image side in pixels, a multiple of 16 (default: 64)")
+    add_engine_options(p, default_patch_group="none")
+    p.add_argument("--snapshot", metavar="FILE", help="also write a debug snapshot of every step (docs/snapshot.md)")
+    p.add_argument("--out", required=True, help="output folder for the PNGs and settings.json")
+
+
+def _run_generate(a: argparse.Namespace) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from PIL import Image
+
+    from .engine.engine import Engine, SamplingParams
+    from .engine.snapshot import save_snapshot
+    from .options import torch_dtype
+
+    params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
+                            negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution)
+    engine = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype))
+    rollout = engine.rollout([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None,
+                             progress=sys.stderr.isatty())
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(rollout.images):
+        Image.fromarray(image.numpy()).save(out / f"{i:04d}.png")
+    settings = {"prompt": a.prompt, "num_images": a.num_images, "seed": a.seed, "params": asdict(params),
+                "engine": rollout.engine, "sde_steps": [mg.sde_steps for mg in rollout.microgroups],
+                "snapshot": a.snapshot}
+    (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    if a.snapshot:
+        save_snapshot(rollout, a.snapshot)
+    print(f"wrote {len(rollout.images)} image(s) and settings.json to {out}" +
+          (f", snapshot to {a.snapshot}" if a.snapshot else ""))
+    return 0
+
+
+# -- train -----------------------------------------------------------------------------------------------------
+def _add_train(p: argparse.ArgumentParser) -> None:
+    from .train.config import TrainConfig
+
+    TrainConfig.add_arguments(p)
+
+
+def _run_train(a: argparse.Namespace) -> int:
+    from .train.config import TrainConfig
+    from .train.run import run_training
+
+    out = run_training(TrainConfig.from_args(a))
+    if out is not None:
+        print(f"run written to {out} (metrics.jsonl, summary.md, samples/, checkpoints/)")
+    return 0
+
+
 # -- patches -------------------------------------------------------------------------------------------------
 def _add_patches(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patch-group", default="qwen_image", help="group to list (default: qwen_image)")
@@ -87,10 +147,73 @@ def _run_patches(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- reward --------------------------------------------------------------------------------------------------
+_REWARD_SPEC_HELP = ("a registered reward ({names}), a weighted sum 'name:w,name2:w2', a custom 'my.module:function' "
+                     "or a reward server URL")
+
+
+def _add_reward_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", help="model folder of the rewards that take one (pickscore: "
+                   "MODEL_DIR or MODEL_DIR:PROCESSOR_DIR)")
+    p.add_argument("--device", default="cpu", help="torch device of model rewards, e.g. cpu or cuda (default: cpu)")
+
+
+def _add_reward(p: argparse.ArgumentParser) -> None:
+    from .rewards import REWARDS
+
+    p.add_argument("--name", required=True, metavar="SPEC", help=_REWARD_SPEC_HELP.format(names=", ".join(REWARDS)))
+    _add_reward_model_options(p)
+    p.add_argument("--image", required=True, metavar="PNG", help="image file (any format PIL reads)")
+    p.add_argument("--prompt", required=True, help="the prompt the image was generated for")
+
+
+def _run_reward(a: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from .rewards import RewardError, build_reward, score
+
+    with Image.open(a.image) as image:
+        pixels = torch.from_numpy(np.array(image.convert("RGB")))[None]
+    try:
+        scores, _ = score(build_reward(a.name, a.model, a.device), pixels, [a.prompt])
+    except RewardError as e:
+        print(f"trueflow reward: error: {e}", file=sys.stderr)
+        return 1
+    print(repr(scores[0].item()))
+    return 0
+
+
+# -- reward-serve --------------------------------------------------------------------------------------------
+def _add_reward_serve(p: argparse.ArgumentParser) -> None:
+    from .rewards import REWARDS
+
+    p.add_argument("--reward", required=True, metavar="SPEC", help=_REWARD_SPEC_HELP.format(names=", ".join(REWARDS)))
+    _add_reward_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-batch", type=int, default=64, help="images per merged reward call (default: 64)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="how long the first request waits for others to batch with (default: 5)")
+
+
+def _run_reward_serve(a: argparse.Namespace) -> int:
+    from .rewards.server import serve
+
+    serve(a.reward, host=a.host, port=a.port, model_path=a.model, device=a.device, max_batch=a.max_batch,
+          max_wait_ms=a.max_wait_ms)
+    return 0
+
+
 VERBS = {
     "init-checkpoint": ("write a tiny diffusers-format checkpoint with seeded random weights", _add_init_checkpoint, _run_init_checkpoint),
     "parity": ("compare the engine's forward with the train side's, bitwise, with a per-layer report", _add_parity, _run_parity),
+    "generate": ("generate images of one prompt with the rollout engine (PNGs, settings.json, optional snapshot)", _add_generate, _run_generate),
+    "train": ("GRPO training: rollouts, rewards, PPO-clip, LoRA sync, parity at every optimizer step", _add_train, _run_train),
     "patches": ("list the patches of a rollout patch group", _add_patches, _run_patches),
+    "reward": ("score one image for a prompt with a reward", _add_reward, _run_reward),
+    "reward-serve": ("serve a reward over HTTP, batching concurrent requests", _add_reward_serve, _run_reward_serve),
 }
 
 

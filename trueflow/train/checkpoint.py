@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from diffusers import QwenImagePipeline
+from safetensors.torch import load_file
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 DIFFUSERS_PREFIX = "transformer."
@@ -61,9 +62,12 @@ def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], a
     tmp = ckpts / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({DIFFUSERS_PREFIX + k: v.contiguous().cpu() for k, v in lora_fp32.items()}, str(tmp / LORA_FILE))
-    # LoraConfig.to_dict() holds sets (target_modules) and enums; PEFT writes them as lists and strings too
-    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, default=_jsonable))
+    # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors metadata,
+    # which `load_lora_weights` reads for alpha and targets.
+    config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
+    QwenImagePipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu() for k, v in lora_fp32.items()},
+                                        weight_name=LORA_FILE, transformer_lora_adapter_metadata=config)
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     torch.save({"optimizer": optimizer_state, "rng": rng_state()}, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
     (tmp / "COMPLETE").write_text("ok\n")

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import yaml
 
-from .model import DEFAULT_LORA_TARGETS, PARITY_BACKEND
+DEFAULT_LORA_TARGETS = (
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+)
+PARITY_BACKEND = "_native_flash"  # the flash kernel, also what the engine pins under the qwen_image group
+MASKED_BACKEND = "native"  # diffusers' `_native_flash` raises on any mask; this is where a masked batch goes
 
 
 class ParityConditionWarning(UserWarning):
@@ -74,7 +79,8 @@ class TrainConfig:
     engine_process: bool = _f(False, "run the engine in its own process; LoRA synced by IPC handles")
     debug: bool = _f(False, "write snapshots of every rollout step")
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer")
-    save_every: int = _f(0, "checkpoint every K optimizer steps (and at the end; 0: at the end only)")
+    save_every: int = _f(0, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
+                            "0: at the end only)")
     sample_every: int = _f(1, "write a sample grid every K rollouts")
     resume: bool = _f(False, "continue from the latest checkpoint in output_dir")
     tensorboard: bool = _f(False, "also write TensorBoard events")

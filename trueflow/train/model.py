@@ -17,12 +17,7 @@ from diffusers.models.attention_dispatch import attention_backend
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-DEFAULT_LORA_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-)
-PARITY_BACKEND = "_native_flash"  # the flash kernel, also what the engine pins under the qwen_image group
-MASKED_BACKEND = "native"  # diffusers' `_native_flash` raises on any mask; this is where a masked batch goes
+from .config import DEFAULT_LORA_TARGETS, MASKED_BACKEND, PARITY_BACKEND
 
 
 @dataclass

@@ -6,6 +6,7 @@ The model itself knows nothing of parallelism; `shard` applies FSDP2 to the buil
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -26,6 +27,11 @@ def build_policy(checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype, de
             p.data = p.data.float()  # the fp32 master; FSDP2 casts it to the compute dtype for each forward
         p.requires_grad_(is_lora)
     return shard(model.to(device), compute_dtype)
+
+
+# FSDP2 warns that diffusers' output is a view (an in-place op on it would skip the pre-backward hook). The
+# trainer never modifies model outputs in place, so the warning is noise in every step's log.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 def shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:

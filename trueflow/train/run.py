@@ -26,7 +26,8 @@ def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
         print(f"made the tiny demo checkpoint {DEFAULT_CHECKPOINT}")
 
 
-def run_training(cfg: TrainConfig) -> Path:
+def run_training(cfg: TrainConfig) -> Path | None:
+    """Runs on every rank; returns the run folder on rank 0, None elsewhere."""
     cfg.validate()
     ctx = init_distributed(cfg.device)
     try:
@@ -45,7 +46,7 @@ def run_training(cfg: TrainConfig) -> Path:
         Trainer(cfg, ctx, engine, reward).run()
         if ctx.is_main and hasattr(engine, "close"):
             engine.close()
-        return Path(cfg.output_dir)
+        return Path(cfg.output_dir) if ctx.is_main else None
     finally:
         dist.destroy_process_group()
 

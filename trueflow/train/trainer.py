@@ -49,6 +49,7 @@ class Trainer:
         self.params = list(lora_parameters(self.model).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.state = StepState()
+        self.saved_step: int | None = None
         keep = None
         if cfg.resume:
             keep = self._resume()
@@ -183,9 +184,9 @@ class Trainer:
         while self.state.rollout < cfg.num_rollouts:
             index = self.state.rollout
             rollout, rewards, dropped, times = self._rollout(index)
+            # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
+            kept = rewards[~torch.isnan(rewards)]
             advantages = group_advantages(rewards, cfg.n_samples_per_prompt, cfg.adv_clip_max, cfg.global_std)
-            if dropped:
-                advantages[dropped] = 0.0  # a skipped group contributes no gradient
             for k in range(cfg.num_steps_per_rollout):
                 t0 = time.perf_counter()
                 m = self._train_step(rollout, advantages)
@@ -194,7 +195,7 @@ class Trainer:
                 self.state.step += 1
                 if self.ctx.is_main:
                     record = {"step": self.state.step, "rollout": index, "step_in_rollout": k,
-                              "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item(),
+                              "reward_mean": kept.mean().item(), "reward_std": kept.std(unbiased=False).item(),
                               "dropped_samples": len(dropped), **m,
                               "checksums_equal": sync["trainer_checksum"] == sync["engine_checksum"],
                               "trainer_checksum": sync["trainer_checksum"], "engine_checksum": sync["engine_checksum"],
@@ -202,14 +203,18 @@ class Trainer:
                     self.metrics.write(record)
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
                                     diff=f"{record['model_output_max_abs_diff']:.1e}", ratio=f"{record['ratio_mean']:.6f}")
-                if cfg.save_every and self.state.step % cfg.save_every == 0:
-                    self.save()
             self.state.rollout += 1
             if self.ctx.is_main and cfg.sample_every and index % cfg.sample_every == 0:
                 write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+            # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
+            # first boundary at or after every `save_every` optimizer steps.
+            steps_before = self.state.step - cfg.num_steps_per_rollout
+            if cfg.save_every and self.state.step // cfg.save_every > steps_before // cfg.save_every:
+                self.save()
             bar.update()
         bar.close()
-        self.save()
+        if self.saved_step != self.state.step:
+            self.save()
         if self.ctx.is_main:
             write_summary(self.out, cfg)
 
@@ -220,6 +225,7 @@ class Trainer:
         lora = lora_full_state(self.model)
         optim = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        self.saved_step = self.state.step
         if self.ctx.is_main:
             ckpt.save_checkpoint(self.out, self.state.step, lora, self.lora_spec.peft_config().to_dict(), optim,
                                  {"step": self.state.step, "rollout": self.state.rollout,
@@ -242,10 +248,13 @@ class Trainer:
 
                     full = distribute_tensor(full, p.device_mesh, p.placements)
                 p.copy_(full)
+        # strict=False: a LoRA parameter that never got a gradient (the last block's text-stream outputs feed
+        # nothing) has no AdamW state to save, exactly as in the run that saved it.
         set_optimizer_state_dict(self.model, self.optimizer, extra["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
         ckpt.set_rng_state(extra["rng"])
         self.state = StepState(step=state["step"], rollout=state["rollout"])
+        self.saved_step = state["step"]
         return state["metrics_lines"]
 
 

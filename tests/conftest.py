@@ -1,0 +1,113 @@
+"""Shared fixtures and helpers: one tiny checkpoint per session, bitwise assertions, forwards of both sides.
+
+Every parity assertion in these tests is `torch.equal` (bits), and every positive test shows its failing side
+too. DESIGN 3 condition 9: on CPU both sides must run with the same intra-op thread count, so the count is
+pinned once here, for the whole session, before any test runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TEST_THREADS = 2
+torch.set_num_threads(TEST_THREADS)
+
+BF16 = torch.bfloat16
+EPS = 1e-6  # every norm of Qwen-Image's transformer uses eps 1e-6
+TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console script
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny Qwen-Image pipeline folder (seed 0), written once and shared read-only by every test."""
+    from trueflow.models.qwen_image.checkpoint import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+def copy_transformer(checkpoint: Path, dst: Path) -> Path:
+    """A writable copy of a checkpoint's transformer/ folder under `dst` (for tests that break files)."""
+    shutil.copytree(checkpoint / "transformer", dst / "transformer")
+    return dst
+
+
+def write_transformer_checkpoint(dst: Path, config: dict, seed: int = 0) -> Path:
+    """A checkpoint folder holding only transformer/ (diffusers' save_pretrained of a seeded random model)."""
+    from trueflow.models.qwen_image.configs import build_transformer
+
+    build_transformer(config, seed=seed).save_pretrained(dst / "transformer", safe_serialization=True)
+    return dst
+
+
+# -- numerics ------------------------------------------------------------------------------------------------
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.is_complex() or b.is_complex():
+        return (a.to(torch.complex128) - b.to(torch.complex128)).abs().max().item()
+    return (a.float() - b.float()).abs().max().item()
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Bits equal: same dtype, same shape, torch.equal (the diff is only reported for the failure message)."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(actual, expected), f"{what}: not bitwise equal, max abs diff {max_abs_diff(actual, expected):.3e}"
+
+
+def assert_differs(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """The negative control: the two are NOT bitwise equal (and really differ in value, not just -0/+0)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert not torch.equal(actual, expected), f"{what}: expected a difference, got bitwise equality"
+    assert max_abs_diff(actual, expected) > 0, f"{what}: differs only in the sign of zeros"
+
+
+def randn(shape, seed: int, std: float = 1.0, mean: float = 0.0, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """Seeded N(mean, std²) drawn in fp32 from a local generator, then cast (the global RNG is left alone)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tuple(shape), generator=g) * std + mean).to(dtype)
+
+
+# -- forwards of both sides on a ParityProbe's inputs ------------------------------------------------------
+@torch.no_grad()
+def engine_forward(engine, inputs: dict) -> torch.Tensor:
+    return engine(inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["timestep"], inputs["img_shape"])
+
+
+def pipeline_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The transformer's timestep input for schedule timesteps `t` (fp32, 0..1000), written as QwenImagePipeline
+    writes it: `timestep = t.expand(B).to(latents.dtype)`, then `transformer(timestep=timestep / 1000, ...)`."""
+    return t.to(dtype) / 1000
+
+
+@torch.no_grad()
+def train_forward(probe) -> torch.Tensor:
+    """The train side's forward (diffusers + PEFT, `_native_flash`) on the probe's inputs, with the timestep as
+    the pipeline passes it (the engine takes the schedule's fp32 timestep as is)."""
+    from trueflow.train import model as train_model
+
+    i = probe.inputs
+    return train_model.train_forward(probe.train, i["hidden_states"], i["encoder_hidden_states"],
+                                     pipeline_timestep(i["timestep"], probe.spec.torch_dtype()), i["img_shape"],
+                                     backend=probe.train_backend)
+
+
+class LoraMasters:
+    """fp32 master copies of a PEFT model's LoRA parameters (DESIGN 3b): a stand-in optimizer step adds seeded
+    noise to the masters and writes the rounded values into the model's bf16 compute copies, in place."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = {n: p for n, p in sorted(model.named_parameters()) if ".lora_" in n}
+        assert self.params, "the model has no LoRA parameters"
+        self.masters = {n: p.detach().float().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def step(self, seed: int, std: float) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for n, p in self.params.items():
+            self.masters[n] += torch.randn(p.shape, generator=g) * std
+            p.copy_(self.masters[n].to(p.dtype))

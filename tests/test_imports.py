@@ -1,0 +1,166 @@
+"""The engine stands alone: its code imports nothing from diffusers' models, and its model files do no file I/O
+(DESIGN 6: models stay free of I/O; `trueflow.loading` reads the files)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "trueflow"
+ENGINE_DIRS = ("trueflow/models", "trueflow/layers", "trueflow/engine")
+# Diffusers-side helpers that live in the model family's folder: the seeded preset builder (it builds diffusers'
+# own QwenImageTransformer2DModel, the train side) and the tiny-checkpoint writer. They are not engine code, and
+# no engine module may import them (test_engine_closure_imports_no_diffusers_models).
+DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/configs.py", "trueflow/models/qwen_image/checkpoint.py"}
+NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
+               "trueflow/models/qwen_image/patches.py", *sorted(
+                   str(p.relative_to(ROOT)) for p in (PACKAGE / "layers").glob("*.py"))]
+# Runtime check: these engine modules, imported alone, must not load diffusers' models.
+ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwen_image.weights",
+                  "trueflow.models.qwen_image.patches", "trueflow.engine.weights", "trueflow.patches",
+                  *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py") if p.stem != "__init__")]
+
+
+def _py_files(*dirs: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def _is_model_class(name: str) -> bool:
+    obj = getattr(diffusers, name, None)
+    return isinstance(obj, type) and (issubclass(obj, torch.nn.Module) or obj.__module__.startswith("diffusers.models"))
+
+
+def _module_of(rel: str) -> str:
+    parts = Path(rel).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(rel: str) -> list[tuple[str, list[str], int]]:
+    """(absolute module, imported names, line) for every import statement of a file, relative ones resolved."""
+    tree = ast.parse((ROOT / rel).read_text(), rel)
+    package = _module_of(rel) if rel.endswith("__init__.py") else _module_of(rel).rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([mod] if mod else []))
+            out.append((mod, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _diffusers_model_imports(rel: str) -> list[str]:
+    bad = []
+    for mod, names, line in _imports(rel):
+        if mod == "diffusers.models" or mod.startswith("diffusers.models."):
+            bad.append(f"{rel}:{line}: import of {mod}")
+        elif mod == "diffusers":
+            bad += [f"{rel}:{line}: from diffusers import {n}" for n in names if n == "models" or _is_model_class(n)]
+    tree = ast.parse((ROOT / rel).read_text(), rel)
+    for node in ast.walk(tree):  # `import diffusers` then `diffusers.models...` / `diffusers.SomeModel`
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "diffusers":
+            if node.attr == "models" or _is_model_class(node.attr):
+                bad.append(f"{rel}:{node.lineno}: diffusers.{node.attr}")
+    return bad
+
+
+def test_engine_code_imports_no_diffusers_models():
+    files = _py_files(*ENGINE_DIRS)
+    assert "trueflow/models/qwen_image/transformer.py" in files and "trueflow/engine/weights.py" in files
+    assert DIFFUSERS_SIDE_FILES <= set(files)
+    bad = [b for rel in files if rel not in DIFFUSERS_SIDE_FILES for b in _diffusers_model_imports(rel)]
+    assert not bad, "\n".join(bad)
+    # the two named exceptions really are diffusers-side (if one stops being so, shrink the list)
+    for rel in DIFFUSERS_SIDE_FILES:
+        assert _diffusers_model_imports(rel), rel
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "trueflow/models/qwen_image/configs.py and checkpoint.py (train-side preset builder and tiny-checkpoint "
+    "writer) import diffusers model classes from inside trueflow/models; moving them out of the engine's model "
+    "folder would make the literal rule hold"))
+def test_every_file_under_engine_dirs_imports_no_diffusers_models():
+    bad = [b for rel in _py_files(*ENGINE_DIRS) for b in _diffusers_model_imports(rel)]
+    assert not bad, "\n".join(bad)
+
+
+def _trueflow_closure(roots: list[str]) -> set[str]:
+    """Files of every trueflow module the given files import, transitively (packages' __init__ included)."""
+    by_module = {_module_of(rel): rel for rel in _py_files("trueflow")}
+    seen, todo = set(), list(roots)
+    while todo:
+        rel = todo.pop()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        for mod, names, _ in _imports(rel):
+            candidates = [mod] + [f"{mod}.{n}" for n in names]
+            parts = mod.split(".")
+            candidates += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run too
+            todo += [by_module[c] for c in candidates if c in by_module]
+    return seen
+
+
+def test_engine_closure_imports_no_diffusers_models():
+    """No engine file reaches, through trueflow imports, a file that imports diffusers' models (the two
+    diffusers-side helpers included)."""
+    bad = []
+    for root in _py_files(*ENGINE_DIRS):
+        if root in DIFFUSERS_SIDE_FILES:
+            continue
+        closure = _trueflow_closure([root])
+        bad += [f"{root} imports (through trueflow) {rel}" for rel in sorted(closure & DIFFUSERS_SIDE_FILES)]
+        bad += [f"{root} imports (through trueflow) {b}" for rel in sorted(closure - {root} - DIFFUSERS_SIDE_FILES)
+                for b in _diffusers_model_imports(rel)]
+    assert not bad, "\n".join(bad)
+
+
+def test_engine_modules_load_no_diffusers_models_at_runtime():
+    code = ("import importlib, json, sys\n"
+            f"for m in {ENGINE_MODULES!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('diffusers'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    loaded = json.loads(out.strip().splitlines()[-1])
+    assert not [m for m in loaded if m == "diffusers.models" or m.startswith("diffusers.models.")], loaded
+
+
+# -- no file I/O in the engine's model files -----------------------------------------------------------------
+IO_MODULES = {"safetensors", "pathlib", "os", "io", "json", "pickle", "shutil", "tempfile", "glob", "trueflow.loading"}
+
+
+def _code_tokens(rel: str) -> list[tokenize.TokenInfo]:
+    """The file's tokens without comments and string literals (docstrings may talk about files)."""
+    skip = {tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    skip |= {getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END") if hasattr(tokenize, n)}
+    toks = tokenize.generate_tokens(io.StringIO((ROOT / rel).read_text()).readline)
+    return [t for t in toks if t.type not in skip]
+
+
+@pytest.mark.parametrize("rel", NO_IO_FILES)
+def test_model_files_do_no_file_io(rel):
+    toks = _code_tokens(rel)
+    bad = []
+    for a, b in zip(toks, toks[1:] + [None]):
+        followed_by_call = b is not None and b.string == "("
+        if a.type == tokenize.NAME and ((a.string in ("open", "Path") and followed_by_call) or "safetensors" in a.string):
+            bad.append(f"{rel}:{a.start[0]}: {a.line.strip()}")
+        if a.type == tokenize.NAME and a.string in ("load", "save") and followed_by_call:  # torch.load / torch.save
+            bad.append(f"{rel}:{a.start[0]}: {a.line.strip()}")
+    for mod, names, line in _imports(rel):
+        if mod.split(".")[0] in IO_MODULES or mod in IO_MODULES:
+            bad.append(f"{rel}:{line}: import {mod}")
+    assert not bad, "\n".join(bad)
+    assert "open(" not in "".join(t.string for t in toks)  # the literal rule, on the code itself

@@ -1,0 +1,149 @@
+"""The reward server on loopback: uvicorn in a thread (and `trueflow reward-serve` in a subprocess), a real HTTP
+client (`RemoteReward`), batching of concurrent requests, and errors crossing the wire."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from conftest import TRUEFLOW_EXE
+from test_rewards import PROMPTS, Flaky, images
+
+from trueflow.rewards import RewardError, RewardTimeout, WeightedSum, build_reward, score
+from trueflow.rewards.remote import RemoteReward
+
+
+@contextlib.contextmanager
+def served(reward, **kwargs):
+    """Serves `reward` on 127.0.0.1 at a free port (port 0: the OS picks) from a thread; yields the URL."""
+    import uvicorn
+
+    from trueflow.rewards.server import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(reward, **kwargs), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+class Slow:
+    """Sleeps per call, not per image: batching shows as fewer, larger calls. Records each call's batch size."""
+
+    name = "slow"
+
+    def __init__(self, sleep: float):
+        self.sleep, self.sizes = sleep, []
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        self.sizes.append(len(prompts))
+        time.sleep(self.sleep)
+        return images.float().mean(dim=(1, 2, 3))
+
+
+def test_remote_equals_local_and_url_specs() -> None:
+    local = build_reward("redness")
+    x = images(4)
+    with served(local) as url:
+        remote = build_reward(url)
+        assert isinstance(remote, RemoteReward) and remote.name == f"redness@{url}"
+        assert torch.equal(remote(x, ["a"] * 4), local(x, ["a"] * 4))  # float32 bits cross the wire unchanged
+        weighted = build_reward(f"{url}:0.5,jpeg_incompressibility:0.1")
+        assert isinstance(weighted, WeightedSum)
+        expected = 0.5 * local(x, ["a"] * 4) + 0.1 * build_reward("jpeg_incompressibility")(x, ["a"] * 4)
+        torch.testing.assert_close(weighted(x, ["a"] * 4), expected)
+        bad = httpx.post(f"{url}/score", content=b"not msgpack")
+        assert bad.status_code == 400 and "malformed request" in bad.json()["detail"]
+    with pytest.raises(ConnectionError, match="no reward server answers"):
+        RemoteReward(url, timeout=2)
+
+
+def test_concurrent_requests_are_batched() -> None:
+    slow = Slow(0.3)
+    sizes = [2, 3, 1, 2, 4, 2]
+    batches = [images(n, seed=n, size=8) for n in sizes]
+    batches.append(images(2, seed=9, size=12))  # another image size: a call of its own
+    with served(slow, max_batch=64, max_wait_ms=100) as url:
+        remote = RemoteReward(url)
+        with ThreadPoolExecutor(len(batches)) as pool:
+            results = list(pool.map(lambda b: remote(b, ["p"] * len(b)), batches))
+        info = httpx.get(f"{url}/info").json()
+    for batch, out in zip(batches, results):  # each request got its own images' scores back, in order
+        torch.testing.assert_close(out, batch.float().mean(dim=(1, 2, 3)))
+    assert info["requests"] == len(batches)
+    assert info["calls"] == len(slow.sizes) < len(batches) and sum(slow.sizes) == sum(sizes) + 2
+    assert max(slow.sizes) > max(sizes)
+
+
+def test_errors_cross_the_wire_and_name_the_prompt() -> None:
+    with served(Flaky("raise")) as url:
+        remote = RemoteReward(url)
+        with pytest.raises(RewardError, match=rf"reward 'flaky@{url}' failed on prompt 'bad two': server answered "
+                                              r"500: KeyError: 'boom'"):
+            score(remote, images(5), PROMPTS)
+        scores, dropped = score(remote, images(5), PROMPTS, on_error="skip")
+        assert dropped == [1, 3] and torch.isfinite(scores[[0, 2, 4]]).all()
+    with served(Flaky("nan")) as url:  # NaN travels as raw float32; the client's score names the prompt
+        with pytest.raises(RewardError, match=r"failed on prompt 'bad two': returned nan"):
+            score(RemoteReward(url), images(5), PROMPTS)
+
+
+def test_one_failing_request_does_not_fail_its_batch() -> None:
+    flaky = Flaky("raise", sleep=0.2)
+    with served(flaky, max_wait_ms=100) as url:
+        remote = RemoteReward(url)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(remote, images(2), [p, p]) for p in ("ok a", "bad b", "ok c")]
+        with pytest.raises(RewardError, match="'bad b'"):
+            futures[1].result()
+        assert [f.result().tolist() for f in (futures[0], futures[2])] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_client_timeout() -> None:
+    with served(Slow(1.0)) as url:
+        remote = RemoteReward(url, timeout=0.2)
+        with pytest.raises(RewardTimeout, match=r"failed on prompt 'a': no answer within 0.2 s"):
+            score(remote, images(1), ["a"])
+
+
+def test_reward_serve_cli_subprocess() -> None:
+    with socket.socket() as s:  # a free port for the subprocess (a race with other processes is unlikely)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([str(TRUEFLOW_EXE), "reward-serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--reward", "redness:2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "reward-serve did not answer within 60 s"
+            try:
+                remote = RemoteReward(url, timeout=10)
+                break
+            except ConnectionError:
+                time.sleep(0.2)
+        x = images(2)
+        assert remote.name == f"redness:2@{url}"
+        torch.testing.assert_close(score(remote, x, ["a", "b"])[0], 2 * build_reward("redness")(x, ["a", "b"]))
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,74 @@
+"""Weight buckets: named tensors packed into a few flat buffers for transport, an A/B pair never split.
+
+A bucket is one contiguous uint8 buffer plus a manifest (name, dtype, shape, byte offset) per tensor; the
+receiver rebuilds views into the buffer, so a bucket crosses a process boundary as one IPC handle (shared memory
+on CPU, CUDA IPC on GPU) whatever the number of tensors in it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+_ALIGN = 16  # each tensor starts 16-byte aligned, so every view is aligned for any dtype's kernels
+
+
+@dataclass
+class Bucket:
+    buffer: torch.Tensor  # uint8 [nbytes]
+    manifest: list[tuple[str, torch.dtype, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
+
+
+def _group_key(name: str) -> str:
+    """Tensors that must travel together: the A and B of one LoRA module share a key."""
+    return re.sub(r"\.lora_[AB]\.", ".lora_*.", name)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Pack into buckets of at most `max_bytes` (a group larger than that gets a bucket of its own)."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(tensors):
+        groups.setdefault(_group_key(name), []).append(name)
+    plans: list[list[str]] = [[]]
+    size = 0
+    for names in groups.values():
+        nbytes = sum(_aligned(tensors[n].numel() * tensors[n].element_size()) for n in names)
+        if plans[-1] and size + nbytes > max_bytes:
+            plans.append([])
+            size = 0
+        plans[-1].extend(names)
+        size += nbytes
+    return [_pack_one(tensors, names) for names in plans if names]
+
+
+def _pack_one(tensors: dict[str, torch.Tensor], names: list[str]) -> Bucket:
+    device = tensors[names[0]].device
+    offsets, total = [], 0
+    for n in names:
+        offsets.append(total)
+        total += _aligned(tensors[n].numel() * tensors[n].element_size())
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    manifest = []
+    for n, off in zip(names, offsets):
+        t = tensors[n].detach().contiguous()
+        nbytes = t.numel() * t.element_size()
+        buffer[off:off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        manifest.append((n, t.dtype, tuple(t.shape), off))
+    return Bucket(buffer, manifest)
+
+
+def unpack(buckets: list[Bucket]) -> dict[str, torch.Tensor]:
+    """Views into the buckets' buffers (no copy): the receiver copies them into place, then drops the buckets."""
+    out = {}
+    for b in buckets:
+        for name, dtype, shape, off in b.manifest:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            out[name] = b.buffer[off:off + nbytes].view(dtype).view(shape)
+    return out

@@ -1,0 +1,120 @@
+"""The rollout engine in its own process, driven by the trainer through queues.
+
+LoRA updates cross as weight buckets (`buckets.py`): on CPU each bucket's buffer is moved to shared memory and
+torch's multiprocessing pickler sends its handle; on CUDA it sends a CUDA IPC handle. Either way no tensor data is
+copied through a pipe. The engine copies the update into place, and answers with the checksum of what it now holds
+(read back from its layers), so the trainer knows the new weights are in place. Rollouts come back on the CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from .buckets import DEFAULT_BUCKET_BYTES, pack, unpack
+
+
+class EngineProcessError(RuntimeError):
+    pass
+
+
+def _to_cpu(obj):
+    """Tensors of a rollout (nested dataclasses, lists, dicts) moved to the CPU for the trip back."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            setattr(obj, name, _to_cpu(getattr(obj, name)))
+    return obj
+
+
+def _serve(args: tuple, threads: int, requests, replies) -> None:
+    # DESIGN 3 condition 9: on CPU the engine must use the trainer's intra-op thread count.
+    torch.set_num_threads(threads)
+    try:
+        from ..engine.engine import Engine
+
+        engine = Engine(*args)
+        replies.put((True, "ready"))
+    except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
+        replies.put((False, traceback.format_exc()))
+        return
+    while True:
+        op, payload = requests.get()
+        try:
+            if op == "close":
+                replies.put((True, None))
+                return
+            if op == "rollout":
+                value = _to_cpu(engine.rollout(*payload))
+            elif op == "update_lora":
+                buckets, scale, merge_mode = payload
+                # Clone out of the sender's buffers: they are the trainer's, freed once it has our answer.
+                engine.update_lora({k: v.clone() for k, v in unpack(buckets).items()}, scale, merge_mode)
+                del buckets
+                value = engine.lora_checksum()
+            elif op == "lora_checksum":
+                value = engine.lora_checksum()
+            else:
+                raise ValueError(f"unknown engine request {op!r}")
+            replies.put((True, value))
+        except Exception:  # noqa: BLE001 - the engine keeps serving; the trainer raises
+            replies.put((False, traceback.format_exc()))
+
+
+class EngineClient:
+    """The same calls as `Engine` (rollout, update_lora, lora_checksum), served by another process."""
+
+    def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
+                 device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        ctx = mp.get_context("spawn")
+        self.requests, self.replies = ctx.Queue(), ctx.Queue()
+        self.bucket_bytes = bucket_bytes
+        self.process = ctx.Process(target=_serve, daemon=True, args=(
+            (checkpoint, patch_group, tuple(disabled_patches), device, dtype),
+            threads or torch.get_num_threads(), self.requests, self.replies))
+        self.process.start()
+        self._reply()
+
+    def _reply(self):
+        while True:
+            try:
+                ok, value = self.replies.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise EngineProcessError(f"the engine process died (exit code {self.process.exitcode})")
+        if not ok:
+            raise EngineProcessError(f"the engine process failed:\n{value}")
+        return value
+
+    def _call(self, op: str, *payload):
+        self.requests.put((op, payload))
+        return self._reply()
+
+    def rollout(self, prompts, n_per_prompt, params, seed, decode=True, record_snapshot=False):
+        return self._call("rollout", prompts, n_per_prompt, params, seed, decode, record_snapshot)
+
+    def update_lora(self, state: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> str:
+        """Send the LoRA as buckets of IPC handles; returns the engine's checksum once the update is in place."""
+        buckets = pack(state, self.bucket_bytes)
+        for b in buckets:
+            if b.buffer.device.type == "cpu":
+                b.buffer.share_memory_()
+        return self._call("update_lora", buckets, scale, merge_mode)  # the buckets live until the engine answers
+
+    def lora_checksum(self) -> str:
+        return self._call("lora_checksum")
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self._call("close")
+            self.process.join(timeout=30)
