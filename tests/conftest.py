@@ -26,7 +26,7 @@ TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console sc
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ONE tiny Qwen-Image pipeline folder (seed 0), written once and shared read-only by every test."""
-    from trueflow.models.qwen_image.checkpoint import init_checkpoint
+    from trueflow.checkpoints.qwen_image import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
@@ -39,7 +39,7 @@ def copy_transformer(checkpoint: Path, dst: Path) -> Path:
 
 def write_transformer_checkpoint(dst: Path, config: dict, seed: int = 0) -> Path:
     """A checkpoint folder holding only transformer/ (diffusers' save_pretrained of a seeded random model)."""
-    from trueflow.models.qwen_image.configs import build_transformer
+    from trueflow.checkpoints.presets import build_transformer
 
     build_transformer(config, seed=seed).save_pretrained(dst / "transformer", safe_serialization=True)
     return dst

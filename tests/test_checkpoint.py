@@ -12,8 +12,8 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
 
-from trueflow.models.qwen_image.checkpoint import init_checkpoint
-from trueflow.models.qwen_image.configs import TRANSFORMER_CONFIGS, build_transformer, transformer_config
+from trueflow.checkpoints.qwen_image import init_checkpoint
+from trueflow.checkpoints.presets import TRANSFORMER_CONFIGS, build_transformer, transformer_config
 
 TRANSFORMER_FILE = "transformer/diffusion_pytorch_model.safetensors"
 
@@ -117,8 +117,6 @@ def test_write_guards(ckpt: Path, tmp_path: Path) -> None:
     assert init_checkpoint(out, seed=1, overwrite=True) == out
     assert (out / TRANSFORMER_FILE).read_bytes() != (ckpt / TRANSFORMER_FILE).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    with pytest.raises(ValueError, match="valid sizes: tiny"):
-        init_checkpoint(tmp_path / "x", size="full")
     with pytest.raises(ValueError, match="known sizes: tiny, full, one_block"):
         init_checkpoint(tmp_path / "x", size="huge")
     with pytest.raises(ValueError, match="valid families: qwen_image"):
@@ -157,3 +155,18 @@ def test_one_block_has_real_width() -> None:
     assert abs(model.txt_norm.weight.float().mean().item() - 1.0) < 0.02
     assert model.txt_norm.weight.float().std().item() > 0.05
     assert model.img_in.bias.float().std() > 0.01
+
+
+def test_a_full_width_text_encoder_pairs_with_the_full_transformer() -> None:
+    """`--size full` writes a two-layer text encoder of the real width (3584, head_dim 128) so the pipeline's
+    shapes line up; built and run here (the 20B transformer itself is drawn on a GPU)."""
+    from trueflow.checkpoints.qwen_image import _build_text_encoder, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    te = _build_text_encoder(tokenizer, 3584, seed=0)
+    ids = tokenizer(["a red cube"], return_tensors="pt")
+    with torch.no_grad():
+        hidden = te(**ids, output_hidden_states=True).hidden_states[-1]
+    assert hidden.shape[-1] == 3584 and torch.isfinite(hidden).all()
+    with pytest.raises(ValueError, match="no text-encoder layout"):
+        _build_text_encoder(tokenizer, 100, seed=0)

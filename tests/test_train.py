@@ -4,7 +4,6 @@ and the placement that must not change a single bit (engine process, 2 FSDP rank
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .options import add_engine_options, add_sampling_options
+from .options import DTYPES, add_engine_options, add_sampling_options, torch_dtype
 
 
 # -- init-checkpoint -----------------------------------------------------------------------------------------
@@ -16,12 +16,15 @@ def _add_init_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype the transformer is stored in (default: fp32)")
+    p.add_argument("--device", default="cpu", help="where the random weights are drawn (a GPU for --size full)")
 
 
 def _run_init_checkpoint(a: argparse.Namespace) -> int:
-    from .models.qwen_image.checkpoint import init_checkpoint
+    from .checkpoints.qwen_image import init_checkpoint
 
-    path = init_checkpoint(a.out, family=a.family, size=a.size, seed=a.seed, overwrite=a.overwrite)
+    path = init_checkpoint(a.out, family=a.family, size=a.size, seed=a.seed, overwrite=a.overwrite,
+                           dtype=torch_dtype(a.dtype), device=a.device)
     print(f"wrote a {a.size} {a.family} checkpoint to {path}")
     return 0
 
@@ -206,6 +209,32 @@ def _run_reward_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ---------------------------------------------------------------------------------------------------
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="diffusers pipeline folder")
+    add_engine_options(p, default_patch_group="none")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; IPC weight updates are "
+                   "taken from loopback clients only)")
+    p.add_argument("--port", type=int, default=8001, help="port (default: 8001; reward-serve's is 8000)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="most samples (prompts x n) one generation request may ask for (default: 64)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads of the engine; on CPU match the "
+                   "trainer's for bitwise parity (DESIGN 3, condition 9) (default: torch's default)")
+
+
+def _run_serve(a: argparse.Namespace) -> int:
+    import torch
+
+    from .engine.server import serve
+
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    # --seed: the seed of OpenAI-style requests that name none (rollout requests always carry their own)
+    serve(a.checkpoint, host=a.host, port=a.port, patch_group=a.patch_group, disabled_patches=tuple(a.disable_patch),
+          device=a.device, dtype=torch_dtype(a.dtype), max_batch=a.max_batch, default_seed=a.seed)
+    return 0
+
+
 VERBS = {
     "init-checkpoint": ("write a tiny diffusers-format checkpoint with seeded random weights", _add_init_checkpoint, _run_init_checkpoint),
     "parity": ("compare the engine's forward with the train side's, bitwise, with a per-layer report", _add_parity, _run_parity),
@@ -214,6 +243,7 @@ VERBS = {
     "patches": ("list the patches of a rollout patch group", _add_patches, _run_patches),
     "reward": ("score one image for a prompt with a reward", _add_reward, _run_reward),
     "reward-serve": ("serve a reward over HTTP, batching concurrent requests", _add_reward_serve, _run_reward_serve),
+    "serve": ("serve the rollout engine over HTTP: rollouts, OpenAI-style images, weight updates", _add_serve, _run_serve),
 }
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
+
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Serving-engine RMSNorm: normalise and scale in fp32, round to the input dtype once at the end."""
+    """Serving-engine RMSNorm: normalise and scale in fp32, round to the input dtype once at the end (a Triton
+    kernel on CUDA, this PyTorch code elsewhere)."""
+    if kernels.use_triton(x):
+        return kernels.ops().rms_norm(x, weight, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return y.to(x.dtype)

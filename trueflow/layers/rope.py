@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import kernels
+
 
 @dataclass
 class RopeTables:
@@ -32,7 +34,10 @@ def rope_tables_fused(positions: torch.Tensor, axes_dim: tuple[int, ...], theta:
 
 
 def qk_norm_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables) -> torch.Tensor:
-    """RMS-normalise each head and rotate it, all in fp32, rounding once. x: [B, S, H, D]."""
+    """RMS-normalise each head and rotate it, all in fp32, rounding once. x: [B, S, H, D]. A Triton kernel on CUDA,
+    this PyTorch code elsewhere."""
+    if kernels.use_triton(x):
+        return kernels.ops().qk_norm_rope(x, weight, eps, tables.cos, tables.sin)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     cos, sin = tables.cos[:, None, :], tables.sin[:, None, :]

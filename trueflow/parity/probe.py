@@ -78,7 +78,7 @@ class ParityProbe:
             self.state_dict = loading.read_transformer_state_dict(s.checkpoint)
             self.train = train_model.load_transformer(s.checkpoint, dtype)
         else:
-            from ..models.qwen_image.configs import build_transformer, transformer_config
+            from ..checkpoints.presets import build_transformer, transformer_config
 
             self.config = transformer_config(s.random_size)
             self.train = build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)

@@ -25,7 +25,8 @@ def tensors_checksum(tensors: dict[str, torch.Tensor], extra: str = "") -> str:
     names = sorted(tensors)
     if not names:
         return hashlib.sha256(extra.encode()).hexdigest()
-    sums = torch.stack([_bit_sums(tensors[n]).cpu() for n in names]).tolist()
+    device = tensors[names[0]].device
+    sums = torch.stack([_bit_sums(tensors[n]).to(device) for n in names]).cpu().tolist()  # one transfer
     h = hashlib.sha256()
     for n, (plain, weighted) in zip(names, sums):
         t = tensors[n]

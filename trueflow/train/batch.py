@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collate import collate_text
+from ..collate import collate_text, warn_if_masked
 from ..engine.trajectory import Microgroup, Rollout, model_timestep
 from .pairs import Row
 
@@ -50,7 +50,7 @@ def _pad_to(embeds: torch.Tensor, mask: torch.Tensor | None, width: int | None):
 
 
 def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device: torch.device,
-             pad_text_to: int | None = None) -> TrainBatch:
+             pad_text_to: int | None = None, parity: bool = True) -> TrainBatch:
     where = _locate(rollout)
     mgs = [where[r.sample] for r in rows]
     steps = [mg.sde_steps[r.slot] for r, (mg, _) in zip(rows, mgs)]
@@ -68,6 +68,9 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
 
     pos, pos_mask = text("prompt_embeds")
     neg, neg_mask = text("negative_prompt_embeds")
+    cause = (f"whole-window pad to {pad_text_to} tokens" if pad_text_to is not None
+             else "mixed prompt lengths in one micro-batch")
+    warn_if_masked(pos_mask if pos_mask is not None else neg_mask, parity=parity, cause=cause)
     return TrainBatch(
         rows=rows,
         latents=stack(lambda mg, i, t: mg.latents[t, i]),

@@ -61,6 +61,8 @@ class TrainConfig:
     lora_rank: int = _f(8, "LoRA rank")
     lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)")
     lora_target_modules: list[str] = _f(DEFAULT_LORA_TARGETS, "LoRA target modules", nargs="+")
+    gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
+                                             "forward's values, hence parity, are unchanged)")
     lr: float = _f(3e-3, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient clipping norm")

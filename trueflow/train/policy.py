@@ -18,8 +18,10 @@ _LORA_PARAM = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
 def build_policy(checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype, device: torch.device,
-                 seed: int) -> nn.Module:
+                 seed: int, gradient_checkpointing: bool = False) -> nn.Module:
     model = load_transformer(checkpoint, compute_dtype)
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()
     add_lora(model, spec, seed=seed)  # PEFT's init (B = 0), seeded
     for name, p in model.named_parameters():
         is_lora = bool(_LORA_PARAM.search(name))

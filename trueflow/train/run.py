@@ -20,7 +20,7 @@ def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
         return
     cfg.checkpoint = str(DEFAULT_CHECKPOINT)
     if is_main and not (DEFAULT_CHECKPOINT / "model_index.json").is_file():
-        from ..models.qwen_image.checkpoint import init_checkpoint
+        from ..checkpoints.qwen_image import init_checkpoint
 
         init_checkpoint(DEFAULT_CHECKPOINT, seed=0, overwrite=True)
         print(f"made the tiny demo checkpoint {DEFAULT_CHECKPOINT}")

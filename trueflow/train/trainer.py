@@ -45,7 +45,8 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
         self.prompts = load_prompts(cfg.prompts)
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
-        self.model = build_policy(cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed)
+        self.model = build_policy(cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed,
+                                  cfg.gradient_checkpointing)
         self.params = list(lora_parameters(self.model).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.state = StepState()
@@ -129,7 +130,7 @@ class Trainer:
         sums = {"model_output_abs_diff_sum": 0.0, "numel": 0.0, "ratio_sum": 0.0, "clipped": 0.0, "rows": 0.0,
                 "loss_sum": 0.0, "kl_sum": 0.0}
         for rows in batches:
-            b = assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to)
+            b = assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none")
             guided = self._guided(b)
             log_prob, mean, std = self._log_prob(b, guided)
             loss, stats = ppo_clip_loss(log_prob, b.old_log_prob, b.advantages, cfg.clip_range)

@@ -22,18 +22,15 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from .configs import build_transformer, init_weights_, transformer_config
+from ..engine.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX
+from .presets import build_transformer, init_weights_, transformer_config
 
 FAMILIES = ("qwen_image",)
-DISK_SIZES = ("tiny",)  # "one_block"/"full" exist in memory only (configs.build_transformer)
+# Text-encoder attention layout per hidden size (= the transformer's joint_attention_dim): (query heads, kv heads,
+# mrope_section); mrope_section must sum to head_dim / 2. 3584 is the real Qwen2.5-VL-7B's layout (head_dim 128),
+# so the full-size transformer gets a two-layer text encoder of the real width.
+_TEXT_HEADS = {48: (2, 1, [4, 4, 4]), 3584: (28, 4, [16, 24, 24])}
 
-# QwenImagePipeline.__init__ hard-codes these two; reading them from a constructed pipeline would need models.
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-PROMPT_TEMPLATE_START_IDX = 34
 
 # Qwen2.5-VL's special tokens in their real id order (151643.. there), appended after the BPE vocabulary.
 SPECIAL_TOKENS = (
@@ -175,9 +172,15 @@ def build_tokenizer() -> Qwen2Tokenizer:
 def _build_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int, seed: int) -> Qwen2_5_VLForConditionalGeneration:
     """Tiny Qwen2.5-VL with seeded random weights whose token ids match `tokenizer`."""
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    if hidden_size not in _TEXT_HEADS:
+        raise ValueError(f"no text-encoder layout for joint_attention_dim {hidden_size}; known: {sorted(_TEXT_HEADS)}")
+    heads, kv_heads, mrope = _TEXT_HEADS[hidden_size]
     text_config: dict[str, Any] = {
         **_TEXT_ENCODER["text_config"],
         "hidden_size": hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rope_parameters": {**_TEXT_ENCODER["text_config"]["rope_parameters"], "mrope_section": mrope},
         "vocab_size": -(-len(tokenizer) // 64) * 64,  # padded to a multiple of 64, as the real 152064
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
@@ -195,9 +198,11 @@ def _build_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int, seed: int) 
     return init_weights_(Qwen2_5_VLForConditionalGeneration(config), seed).eval()
 
 
-def build_tiny_pipeline(seed: int = 0) -> QwenImagePipeline:
-    """The complete tiny pipeline in memory (fp32); its transformer equals configs.build_transformer("tiny", seed)."""
-    transformer = build_transformer("tiny", seed)
+def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> QwenImagePipeline:
+    """A complete pipeline in memory: the `size` transformer (= configs.build_transformer(size, seed, dtype,
+    device)) with a tiny VAE and a two-layer text encoder of the transformer's joint width (fp32, CPU)."""
+    transformer = build_transformer(size, seed, dtype, device)
     tokenizer = build_tokenizer()
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**_SCHEDULER),
@@ -209,20 +214,18 @@ def build_tiny_pipeline(seed: int = 0) -> QwenImagePipeline:
 
 
 def init_checkpoint(
-    out: str | Path, family: str = "qwen_image", size: str = "tiny", seed: int = 0, overwrite: bool = False
+    out: str | Path, family: str = "qwen_image", size: str = "tiny", seed: int = 0, overwrite: bool = False,
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
 ) -> Path:
     """Write a diffusers-format pipeline folder at `out` that `QwenImagePipeline.from_pretrained(out)` loads.
 
-    The folder is built next to `out` and moved into place at the end, so `out` is never left half-written.
+    `size` is a transformer preset (tiny, one_block, full); `dtype`/`device` are those the transformer's random
+    weights are drawn and stored in (the full size is 40 GB in bf16: draw it on a GPU). The folder is built next
+    to `out` and moved into place at the end, so `out` is never left half-written.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")
     transformer_config(size)  # unknown names fail with the list of all presets
-    if size not in DISK_SIZES:
-        raise ValueError(
-            f"size {size!r} cannot be written to disk; valid sizes: {', '.join(DISK_SIZES)} "
-            f"(other presets are in-memory only, via configs.build_transformer)"
-        )
     out = Path(out).absolute()
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
@@ -233,7 +236,7 @@ def init_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
-        build_tiny_pipeline(seed).save_pretrained(tmp, safe_serialization=True)
+        build_pipeline(size, seed, dtype, device).save_pretrained(tmp, safe_serialization=True)
         if out.is_dir() and any(out.iterdir()):
             # os.replace cannot overwrite a non-empty directory: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

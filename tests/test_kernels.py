@@ -1,0 +1,233 @@
+"""The fast ops (Triton kernels and their PyTorch fallbacks) against a float64 reference.
+
+Both compute in fp32 and round once per output, so every output must lie within half a bf16 ulp of the exact
+(float64) value, plus an fp32-sized slack: `|out - ref| <= ulp(ref)/2 + 1e-5·(1 + |ref|)`. A double rounding (the
+patch group's bf16 arithmetic) breaks that bound, which the negative control shows.
+
+Where the Triton kernels run: on CUDA (tests marked gpu, skipped without it), and on the CPU under Triton's
+interpreter when triton is installed (`pip install -e .[test]` installs it; skipped otherwise). The interpreter
+reads TRITON_INTERPRET when `@triton.jit` runs, so its tests load `kernels/triton_ops.py` afresh with it set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from conftest import BF16, EPS, randn
+from trueflow import kernels
+from trueflow.layers.modulation import layer_norm_scale_shift_fused, mul_add_fused, scale_residual_layer_norm_scale_shift_fused
+from trueflow.layers.norms import rms_norm_fused
+from trueflow.layers.rope import RopeTables, qk_norm_rope_fused, rope_tables_fused
+from trueflow.models.qwen_image import patches as P
+from trueflow.models.qwen_image.transformer import rope_positions
+
+F64 = torch.float64
+# [B, S, D]: a single token, an odd sequence at the real width (3072, not a power of two), and an odd width.
+ROW_SHAPES = [(1, 1, 64), (2, 37, 3072), (3, 9, 200)]
+RMS_SHAPES = [(2, 11, 3584), (5, 48)]  # the text norm's width (joint_attention_dim), and a 2-d input
+# [B, S, H, D]: tiny heads; the real 24 heads x 128 at an odd sequence length; a non-power-of-2 head count and dim.
+QK_SHAPES = [(1, 3, 2, 32), (2, 37, 24, 128), (1, 5, 3, 48)]
+
+
+def ids(shapes):
+    return ["x".join(map(str, s)) for s in shapes]
+
+
+# -- the four implementations under test ------------------------------------------------------------------------
+class Fallback:
+    """The layers' PyTorch code (what runs on a CPU)."""
+
+    layer_norm_scale_shift = staticmethod(layer_norm_scale_shift_fused)
+    scale_residual_layer_norm_scale_shift = staticmethod(scale_residual_layer_norm_scale_shift_fused)
+    mul_add = staticmethod(mul_add_fused)
+    rms_norm = staticmethod(rms_norm_fused)
+
+    @staticmethod
+    def qk_norm_rope(x, weight, eps, cos, sin):
+        return qk_norm_rope_fused(x, weight, eps, RopeTables(cos=cos, sin=sin))
+
+
+# The interpreter is for CPU machines; with CUDA the compiled kernels are tested instead (and the two modes of triton
+# are not mixed in one process).
+INTERPRETER = pytest.mark.skipif(not kernels.HAS_TRITON or torch.cuda.is_available(),
+                                 reason="triton is not installed (pip install -e .[kernels]): only the fallback runs"
+                                 if not kernels.HAS_TRITON else "CUDA present: the compiled kernels run instead")
+IMPLS = [
+    pytest.param("fallback", id="fallback"),
+    pytest.param("interpreter", id="triton-interpreter", marks=INTERPRETER),
+    pytest.param("cuda", id="triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")]),
+]
+
+
+@pytest.fixture(scope="module")
+def interpreter() -> ModuleType:
+    """`kernels/triton_ops.py` loaded afresh with TRITON_INTERPRET=1: its kernels then run on CPU tensors."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        spec = importlib.util.spec_from_file_location("_triton_ops_interpreted",
+                                                      Path(kernels.__file__).with_name("triton_ops.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def impl(request, monkeypatch) -> tuple[object, str, float]:
+    """(ops, device, error bound in bf16 ulps) of the parametrized implementation."""
+    if request.param == "fallback":
+        return Fallback, "cpu", 0.5
+    if request.param == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton also reads it at launch time
+        # The interpreter casts fp32 to bf16 by truncation (numpy has no bf16; triton 3.9's `cast_impl`), where the
+        # GPU rounds to nearest: up to one ulp here.
+        return request.getfixturevalue("interpreter"), "cpu", 1.0
+    return kernels.ops(), "cuda", 0.5
+
+
+# -- float64 references and the bound ------------------------------------------------------------------------------
+def ln64(x: torch.Tensor) -> torch.Tensor:
+    mean = x.mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + EPS)
+
+
+def rms64(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + EPS)
+
+
+def assert_one_rounding(out: torch.Tensor, ref: torch.Tensor, what: str, ulps: float = 0.5) -> None:
+    """`out` (bf16) is the exact value `ref` (float64) rounded once: within `ulps` bf16 ulps plus fp32 slack."""
+    assert out.dtype == BF16 and out.shape == ref.shape, (what, out.dtype, out.shape, ref.shape)
+    out, ref = out.cpu().to(F64), ref.cpu()
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    mag = ref.abs().clamp_min(torch.finfo(F64).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)  # bf16 keeps 8 significant bits
+    err = (out - ref).abs()
+    excess = err - (ulps * ulp + 1e-5 * (1 + ref.abs()))
+    assert (excess <= 0).all(), f"{what}: max error {err.max():.3e} exceeds {ulps} bf16 ulp at {excess.argmax()}"
+
+
+def modulation(batch: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """(shift, scale, gate) as the model passes them: row-strided chunks of one [B, 3·D] Linear output."""
+    return randn((batch, 3 * dim), seed, std=0.5).chunk(3, dim=-1)
+
+
+# -- tests -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ids(ROW_SHAPES))
+def test_layer_norm_scale_shift(impl, shape):
+    ops, dev, ulps = impl
+    x = randn(shape, 1, std=2.0, mean=0.5)
+    shift, scale, _ = modulation(shape[0], shape[-1], 2)
+    out = ops.layer_norm_scale_shift(x.to(dev), shift.to(dev), scale.to(dev), EPS)
+    s64, sc64 = shift.to(F64)[:, None], scale.to(F64)[:, None]
+    assert_one_rounding(out, ln64(x.to(F64)) * (1 + sc64) + s64, "layer_norm_scale_shift", ulps)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ids(ROW_SHAPES))
+def test_scale_residual_layer_norm_scale_shift(impl, shape):
+    ops, dev, ulps = impl
+    residual, y = randn(shape, 3, std=4.0), randn(shape, 4)
+    shift, scale, gate = modulation(shape[0], shape[-1], 5)
+    r, out = ops.scale_residual_layer_norm_scale_shift(residual.to(dev), y.to(dev), gate.to(dev), shift.to(dev),
+                                                       scale.to(dev), EPS)
+    r64 = residual.to(F64) + gate.to(F64)[:, None] * y.to(F64)
+    assert_one_rounding(r, r64, "residual", ulps)
+    assert_one_rounding(out, ln64(r64) * (1 + scale.to(F64)[:, None]) + shift.to(F64)[:, None], "normed residual", ulps)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("k", [0.0, 1.0])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ids(ROW_SHAPES))
+def test_mul_add(impl, shape, k):
+    ops, dev, ulps = impl
+    a, c = randn(shape, 6), randn(shape, 7, std=3.0)
+    b = modulation(shape[0], shape[-1], 8)[2]
+    out = ops.mul_add(a.to(dev), b.to(dev), c.to(dev), k)
+    assert_one_rounding(out, c.to(F64) + a.to(F64) * (k + b.to(F64)[:, None]), "mul_add", ulps)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", RMS_SHAPES, ids=ids(RMS_SHAPES))
+def test_rms_norm(impl, shape):
+    ops, dev, ulps = impl
+    x = randn(shape, 9, std=2.0)
+    weight = randn(shape[-1:], 10, std=0.1, mean=1.0)
+    out = ops.rms_norm(x.to(dev), weight.to(dev), EPS)
+    assert_one_rounding(out, rms64(x.to(F64)) * weight.to(F64), "rms_norm", ulps)
+
+
+def rope64(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xn = rms64(x.to(F64)) * weight.to(F64)
+    even, odd = xn[..., 0::2], xn[..., 1::2]
+    c, s = cos.to(F64)[:, None, :], sin.to(F64)[:, None, :]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", QK_SHAPES, ids=ids(QK_SHAPES))
+def test_qk_norm_rope(impl, shape):
+    """q as the packed q/k/v GEMM gives it (a strided slice of [B, S, 3·H·D]), and the engine's own fp32 tables
+    for an image grid of S tokens (angles up to ~S, so the rotation is not near the identity)."""
+    ops, dev, ulps = impl
+    B, S, H, D = shape
+    qkv = randn((B, S, 3 * H * D), 11, std=2.0)
+    x = qkv[..., H * D:2 * H * D].unflatten(-1, (H, D))  # k: a non-contiguous view, as the engine passes it
+    weight = randn((D,), 12, std=0.1, mean=1.0)
+    axes = {32: (8, 12, 12), 128: (16, 56, 56), 48: (8, 20, 20)}[D]
+    grid, _ = rope_positions(1, S, 0)
+    tables = rope_tables_fused(grid, axes, 10000, "cpu")
+    out = ops.qk_norm_rope(x.to(dev), weight.to(dev), EPS, tables.cos.to(dev), tables.sin.to(dev))
+    assert out.is_contiguous()
+    assert_one_rounding(out, rope64(x, weight, tables.cos, tables.sin), "qk_norm_rope", ulps)
+
+
+def test_double_rounding_breaks_the_bound():
+    """Negative control: the patch group's bf16 arithmetic (each op rounded) is outside the one-rounding bound."""
+    x = randn((2, 37, 3072), 1, std=2.0, mean=0.5)
+    shift, scale, _ = modulation(2, 3072, 2)
+    ref = ln64(x.to(F64)) * (1 + scale.to(F64)[:, None]) + shift.to(F64)[:, None]
+    with pytest.raises(AssertionError, match="exceeds 0.5 bf16 ulp"):
+        assert_one_rounding(P.layer_norm_scale_shift_reference(x, shift, scale, EPS), ref, "reference")
+
+
+@INTERPRETER
+def test_layers_dispatch_to_the_kernels(interpreter, monkeypatch):
+    """The layers' fast functions hand CUDA tensors to the kernels: with the device check forced on, each one's
+    output is the (interpreted) kernel's, bitwise; a CPU tensor normally takes the fallback."""
+    assert not kernels.use_triton(torch.zeros(1))
+    x, y, w = randn((2, 5, 64), 1), randn((2, 5, 64), 2), randn((64,), 3, mean=1.0)
+    shift, scale, gate = modulation(2, 64, 4)
+    q = randn((2, 5, 2, 32), 5)
+    tables = rope_tables_fused(rope_positions(1, 5, 0)[0], (8, 12, 12), 10000, "cpu")
+    calls = {
+        "layer_norm_scale_shift": ((x, shift, scale, EPS), layer_norm_scale_shift_fused),
+        "scale_residual_layer_norm_scale_shift": ((x, y, gate, shift, scale, EPS),
+                                                  scale_residual_layer_norm_scale_shift_fused),
+        "mul_add": ((x, gate, y, 1.0), mul_add_fused),
+        "rms_norm": ((x, w, EPS), rms_norm_fused),
+    }
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "ops", lambda: interpreter)
+    for name, (args, fused) in calls.items():
+        expect = getattr(interpreter, name)(*args)
+        got = fused(*args)
+        for e, g in zip(expect if isinstance(expect, tuple) else (expect,), got if isinstance(got, tuple) else (got,)):
+            assert torch.equal(g, e), name
+    assert torch.equal(qk_norm_rope_fused(q, w[:32], EPS, tables), interpreter.qk_norm_rope(q, w[:32], EPS, tables.cos,
+                                                                                          tables.sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")
+def test_use_triton_on_cuda(monkeypatch):
+    assert kernels.use_triton(torch.zeros(1, device="cuda"))
+    monkeypatch.setattr(kernels, "ENABLED", False)  # TRUEFLOW_TRITON=0
+    assert not kernels.use_triton(torch.zeros(1, device="cuda"))

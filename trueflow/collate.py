@@ -1,0 +1,49 @@
+"""The text collate rule shared by the rollout engine and the trainer (DESIGN 3, conditions 2 and 3).
+
+Both sides pad a batch's prompt embeddings the same way, so a train micro-batch equal to a rollout
+microgroup has the very widths and mask the engine ran with:
+- padding is batch-local: to the longest prompt *in the batch*, never to a fixed window (condition 3);
+- an all-true mask becomes `None`, so both sides take the same mask-less attention kernel (condition 2).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def collate_text(
+    embeds: list[torch.Tensor], masks: list[torch.Tensor | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack per-sample text embeddings `[L_i, D]` into `[B, L_max, D]`, zero-padded at the end.
+
+    `masks[i]` is sample i's bool `[L_i]` mask (True = a valid token), or None when all its tokens are valid
+    (the default for every sample). Padding positions are False. Returns `(padded, mask)` with mask bool
+    `[B, L_max]`, or None when every position is valid. The zeros and the bool mask are what
+    `QwenImagePipeline` pads with, so a collated batch is bitwise the pipeline's.
+    """
+    if not embeds:
+        raise ValueError("collate_text needs at least one sample")
+    if masks is not None and len(masks) != len(embeds):
+        raise ValueError(f"collate_text got {len(embeds)} embeddings but {len(masks)} masks")
+    width = max(e.shape[0] for e in embeds)
+    padded = torch.stack([torch.cat([e, e.new_zeros(width - e.shape[0], e.shape[1])]) for e in embeds])
+    mask = torch.zeros(padded.shape[:2], dtype=torch.bool, device=padded.device)
+    for i, e in enumerate(embeds):
+        own = None if masks is None else masks[i]
+        mask[i, : e.shape[0]] = True if own is None else own.bool()
+    return padded, None if bool(mask.all()) else mask
+
+
+def warn_if_masked(mask: torch.Tensor | None, parity: bool, cause: str) -> None:
+    """In parity mode, warn that a non-trivial text mask makes parity not bitwise (DESIGN 3, condition 2).
+
+    A mask takes the train side off its pinned `_native_flash` kernel (which refuses masks) onto a masked one,
+    so its outputs can no longer equal the rollout's bit for bit. `cause` names why the batch has a mask,
+    e.g. "mixed prompt lengths in one batch".
+    """
+    if parity and mask is not None:
+        warnings.warn(f"text mask is not all true ({cause}): attention runs a masked kernel, so parity is not "
+                      "bitwise (DESIGN 3, condition 2). Keep one prompt per batch (micro-batch == rollout "
+                      "microgroup, DP split contiguous) for bitwise parity.", stacklevel=2)

@@ -1,0 +1,129 @@
+"""CUDA-graph capture of the engine transformer's forward, one graph per input shape, with an eager fallback.
+
+A 60-block forward launches thousands of small kernels; at small shapes (512², batch 1) the GPU idles between
+them. Replaying a captured graph removes that launch overhead and runs the very same kernels, so its output is
+bitwise the eager forward's (the same holds for the diffusers forward: DESIGN 4's anchor figures).
+
+Design:
+- One graph per shape key: (batch, image tokens, img_shape, text length, dtype, device, mask or not, the model's
+  patch group, whether the Triton kernels are on). A guided step calls the graph twice (positive, then negative
+  branch: the same shapes); each call copies its inputs into the graph's static buffers, replays, and returns a
+  copy of the output, so the two branches' outputs never alias. Two separate forwards are also what parity
+  requires (DESIGN 4, CFG). All graphs of one `GraphedForward` share one memory pool: they never run at once.
+- Eager fallback: when disabled, off CUDA, with autograd on, or for non-contiguous inputs.
+- Weights: a graph reads every tensor by the address it had at capture. Parameters updated in place stay valid
+  (`load_weights` and the merged LoRA update copy into the parameters). Unmerged LoRA adapters are *new*
+  tensors on every update (`Linear.set_lora`), and merging changes which tensors the forward reads; so before
+  each replay the layers' LoRA state (`LoraState`) is checked against what the graphs were captured with, and
+  any change drops every graph (each is re-captured on its next call): a stale graph can never replay.
+  Not covered: replacing parameter tensors themselves (`module.weight = ...`, `.to()`, `load_state_dict(assign=
+  True)`); call `reset()` after such a change.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..layers.linear import Linear
+
+_MERGED = object()
+
+
+class LoraState:
+    """What captured graphs baked in of the model's LoRA, per Linear: merged (the adapters are folded into the
+    weight, which updates copy in place: any merged LoRA is fine) or the list of unmerged adapters it held.
+
+    `Linear.set_lora`/`clear_lora` always assign a new adapter list, so a list compared by identity tells whether a
+    layer's unmerged adapters changed. The lists are held strongly, so a freed list's id can never be reused by a
+    new one; the cost is that a replaced LoRA stays allocated until the next forward drops the stale graphs. The
+    check is one pass over ~600 layers at full size (about 0.1 ms on a slow CPU) per forward."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m.__dict__ for m in model.modules() if isinstance(m, Linear)]  # direct: no Module.__getattr__
+        self.state = self._read()
+
+    def _read(self) -> list:
+        return [_MERGED if d["base_weight"] is not None else d["adapters"] for d in self.layers]
+
+    def matches(self) -> bool:
+        """Whether every layer still holds the LoRA state recorded at construction."""
+        return all(map(operator.is_, self._read(), self.state))
+
+
+class _Graph:
+    """One captured forward: static inputs, the graph, its static output."""
+
+    def __init__(self, model: nn.Module, inputs: list[torch.Tensor | None], img_shape: tuple[int, int],
+                 pool, warmup: int):
+        self.inputs = [None if t is None else t.clone() for t in inputs]
+        # Warm up on a side stream (lazy inits, Triton JIT, cuBLAS handles, RoPE table cache) before capturing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                model(*self.inputs[:3], img_shape, self.inputs[3])
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = model(*self.inputs[:3], img_shape, self.inputs[3])
+
+    def __call__(self, inputs: list[torch.Tensor | None]) -> torch.Tensor:
+        for static, t in zip(self.inputs, inputs):
+            if static is not None:
+                static.copy_(t)
+        self.graph.replay()
+        return self.output.clone()
+
+
+class GraphedForward:
+    """The engine transformer's forward through CUDA graphs; same signature as the model's forward.
+
+    `enabled=False` (or a CPU model) always runs eagerly. `warmup` eager forwards precede each capture.
+    Counters: `captures` (graphs captured so far), `invalidations` (times a LoRA change dropped the graphs).
+    """
+
+    def __init__(self, model: nn.Module, enabled: bool = True, warmup: int = 1):
+        self.model, self.enabled, self.warmup = model, enabled, warmup
+        self.graphs: dict[tuple, _Graph] = {}
+        self.lora_state: LoraState | None = None
+        self.pool = None
+        self.captures = self.invalidations = 0
+
+    def reset(self) -> None:
+        """Drop every graph and its memory pool; the next call of each shape re-captures."""
+        self.graphs.clear()
+        self.lora_state = self.pool = None
+
+    def _key(self, x: torch.Tensor, txt: torch.Tensor, img_shape: tuple[int, int], mask) -> tuple:
+        return (tuple(x.shape), tuple(img_shape), txt.shape[1], x.dtype, txt.dtype, x.device, mask is None,
+                tuple(getattr(self.model, "patches_applied", ())), kernels.ENABLED)
+
+    def _graphable(self, inputs: list[torch.Tensor | None]) -> bool:
+        return (self.enabled and not torch.is_grad_enabled()
+                and all(t is None or (t.is_cuda and t.is_contiguous()) for t in inputs))
+
+    def _replay(self, inputs: list[torch.Tensor | None], img_shape: tuple[int, int]) -> torch.Tensor:
+        if self.lora_state is not None and not self.lora_state.matches():
+            self.reset()
+            self.invalidations += 1
+        if not self.graphs:
+            self.lora_state = LoraState(self.model)
+        key = self._key(inputs[0], inputs[1], img_shape, inputs[3])
+        graph = self.graphs.get(key)
+        if graph is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = self.graphs[key] = _Graph(self.model, inputs, img_shape, self.pool, self.warmup)
+            self.captures += 1
+        return graph(inputs)
+
+    def __call__(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
+                 img_shape: tuple[int, int], mask: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = [hidden_states, encoder_hidden_states, timestep, mask]
+        if not self._graphable(inputs):
+            return self.model(hidden_states, encoder_hidden_states, timestep, img_shape, mask)
+        return self._replay(inputs, img_shape)

@@ -1,0 +1,69 @@
+"""Debug snapshots: every step of a rollout, with the inputs to replay it, in one safetensors file.
+
+The layout (every key, dtype and shape, and the metadata) is documented in docs/snapshot.md, with a script
+that replays a step with diffusers alone. A snapshot needs a rollout run with `record_snapshot=True`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import diffusers
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from .trajectory import Rollout, model_timestep
+
+FORMAT = "trueflow-snapshot/1"
+METADATA_KEY = "trueflow"  # the safetensors metadata entry holding the JSON description
+
+
+def snapshot_tensors(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """The snapshot's tensors under their documented keys, on the CPU."""
+    out: dict[str, torch.Tensor] = {}
+    for m, mg in enumerate(rollout.microgroups):
+        if mg.records is None:
+            raise ValueError("this rollout kept no step records: run it with record_snapshot=True")
+        mine = {"prompt_embeds": mg.prompt_embeds, "prompt_mask": mg.prompt_mask,
+                "negative_prompt_embeds": mg.negative_prompt_embeds, "negative_prompt_mask": mg.negative_prompt_mask,
+                "sigmas": mg.sigmas, "timesteps": mg.timesteps, "log_probs": mg.log_probs,
+                "final_latents": mg.latents[-1]}
+        b = len(mg.sample_indices)
+        for t, rec in enumerate(mg.records):
+            step = {"latents": mg.latents[t], "timestep": model_timestep(mg.timesteps[t], mg.latents.dtype).expand(b),
+                    "positive_output": rec.positive_output, "negative_output": rec.negative_output,
+                    "guided_output": rec.guided_output, "mean": rec.mean, "std": rec.std, "noise": rec.noise}
+            mine.update({f"step{t}/{k}": v for k, v in step.items()})
+        # safetensors stores dense, contiguous, unshared CPU tensors; None marks what a microgroup lacks.
+        out.update({f"mg{m}/{k}": v.detach().cpu().contiguous().clone() for k, v in mine.items() if v is not None})
+    return out
+
+
+def snapshot_metadata(rollout: Rollout) -> dict:
+    """The JSON description stored in the file's metadata (documented in docs/snapshot.md)."""
+    return {
+        "format": FORMAT,
+        "engine": rollout.engine,
+        "prompts": rollout.prompts,
+        "n_per_prompt": rollout.n_per_prompt,
+        "seed": rollout.seed,
+        "params": asdict(rollout.params),
+        "microgroups": [{"prompt_index": mg.prompt_index, "sample_indices": mg.sample_indices,
+                         "img_shape": list(mg.img_shape), "sde_steps": mg.sde_steps} for mg in rollout.microgroups],
+        # A replay is bitwise only with the same kernels: same versions, and on CPU the same thread count.
+        "torch_num_threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                     "transformers": transformers.__version__},
+    }
+
+
+def save_snapshot(rollout: Rollout, path: str | Path) -> Path:
+    """Write the rollout's snapshot to `path` (a .safetensors file; parent folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(snapshot_tensors(rollout), str(path),
+              metadata={"format": FORMAT, METADATA_KEY: json.dumps(snapshot_metadata(rollout))})
+    return path

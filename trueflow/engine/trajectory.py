@@ -1,0 +1,110 @@
+"""What a rollout returns: per-microgroup trajectories, recorded exactly as the engine ran them.
+
+The trainer re-scores from these records and nothing else (DESIGN 3, conditions 7 and 8): the same prompt
+embeddings and masks, the same batch (one microgroup), the same latents and timesteps, in the same order.
+`Rollout.step_batches()` hands them out as train micro-batches of one microgroup at one stochastic step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import SamplingParams
+
+
+def model_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' transformer timestep input for schedule timesteps `t` (fp32, 0..1000), as `QwenImagePipeline`
+    computes it: `t.to(latent dtype) / 1000`. In bf16 that rounds twice (t, then the quotient), which differs
+    from rounding the fp32 `t / 1000` once in about a quarter of the timesteps of a 10-step schedule. (The
+    engine model takes the fp32 `t` itself; its qwen_image patch group rounds it the same way inside.)"""
+    return t.to(dtype) / 1000
+
+
+@dataclass
+class StepRecord:
+    """Debug data of one denoising step (`record_snapshot=True`); fp32 unless noted."""
+
+    positive_output: torch.Tensor  # [B, S, C] latent dtype: the positive branch's model output
+    negative_output: torch.Tensor | None  # [B, S, C] latent dtype; None without CFG
+    guided_output: torch.Tensor  # [B, S, C] latent dtype: what the sampler stepped with
+    mean: torch.Tensor | None = None  # [B, S, C] the stochastic transition's mean; None for ODE steps
+    std: torch.Tensor | None = None  # 0-dim, the transition's standard deviation
+    noise: torch.Tensor | None = None  # [B, S, C] the standard normal draw
+
+
+@dataclass
+class Microgroup:
+    """One prompt's samples that ran as one batch: the unit the trainer must re-score as one micro-batch."""
+
+    prompt_index: int
+    sample_indices: list[int]  # global, prompt-major: sample k of prompt p is p * n_per_prompt + k
+    img_shape: tuple[int, int]  # packed token grid (rows, columns)
+    latents: torch.Tensor  # [T + 1, B, S, C] latent dtype, x_0 (noise) .. x_T, as stored
+    sigmas: torch.Tensor  # [T + 1] fp32
+    timesteps: torch.Tensor  # [T] fp32 schedule timesteps (0..1000), the engine model's input; diffusers': model_timestep()
+    log_probs: torch.Tensor  # [T, B] fp32, 0 at ODE steps
+    sde_steps: list[int]  # the stochastic (trained) steps, sorted
+    guided_outputs: torch.Tensor  # [len(sde_steps), B, S, C] latent dtype, the guided output at each SDE step
+    prompt_embeds: torch.Tensor  # [B, L, D] as the positive branch got them
+    prompt_mask: torch.Tensor | None  # bool [B, L]; None = all tokens valid (always, for one prompt)
+    negative_prompt_embeds: torch.Tensor | None  # [B, L', D]; None without CFG
+    negative_prompt_mask: torch.Tensor | None
+    records: list[StepRecord] | None = None  # one per step, with record_snapshot=True
+
+
+@dataclass
+class StepBatch:
+    """One train micro-batch: a microgroup's samples at one stochastic step, with every input as recorded."""
+
+    microgroup: int
+    step: int
+    sample_indices: list[int]
+    latents: torch.Tensor  # x_t [B, S, C]
+    next_latents: torch.Tensor  # x_{t+1} as stored, what the log-prob scores
+    timestep: torch.Tensor  # [B] latent dtype, the transformer's timestep input (as diffusers takes it)
+    sigma: torch.Tensor  # 0-dim fp32
+    sigma_next: torch.Tensor  # 0-dim fp32
+    sigma_1: torch.Tensor  # 0-dim fp32, sigmas[1] (the SDE's denominator at sigma = 1)
+    log_prob: torch.Tensor  # [B] fp32, the rollout's (old) log-prob
+    guided_output: torch.Tensor  # [B, S, C] the rollout's guided output (the parity metric's reference)
+    prompt_embeds: torch.Tensor
+    prompt_mask: torch.Tensor | None
+    negative_prompt_embeds: torch.Tensor | None
+    negative_prompt_mask: torch.Tensor | None
+    img_shape: tuple[int, int]
+
+
+@dataclass
+class Rollout:
+    prompts: list[str]
+    n_per_prompt: int
+    params: SamplingParams
+    seed: int
+    microgroups: list[Microgroup]  # prompt-major, then sample order: the order to train in
+    images: torch.Tensor | None  # uint8 [P * n, H, W, 3] prompt-major; None with decode=False
+    engine: dict  # checkpoint, patch group, patches applied, dtype, device (and weights checksum in snapshots)
+
+    def step_batches(self) -> Iterator[StepBatch]:
+        """Train micro-batches in rollout order: microgroup by microgroup, its SDE steps in order."""
+        for m, mg in enumerate(self.microgroups):
+            for j, t in enumerate(mg.sde_steps):
+                yield StepBatch(
+                    microgroup=m, step=t, sample_indices=mg.sample_indices,
+                    latents=mg.latents[t], next_latents=mg.latents[t + 1],
+                    timestep=model_timestep(mg.timesteps[t], mg.latents.dtype).expand(len(mg.sample_indices)),
+                    sigma=mg.sigmas[t], sigma_next=mg.sigmas[t + 1], sigma_1=mg.sigmas[1],
+                    log_prob=mg.log_probs[t], guided_output=mg.guided_outputs[j],
+                    prompt_embeds=mg.prompt_embeds, prompt_mask=mg.prompt_mask,
+                    negative_prompt_embeds=mg.negative_prompt_embeds, negative_prompt_mask=mg.negative_prompt_mask,
+                    img_shape=mg.img_shape)
+
+    def pairs(self) -> Iterator[tuple[int, int]]:
+        """(sample index, step) train pairs, in the order `step_batches` covers them."""
+        for mg in self.microgroups:
+            for t in mg.sde_steps:
+                for i in mg.sample_indices:
+                    yield i, t

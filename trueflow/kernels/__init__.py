@@ -1,0 +1,29 @@
+"""GPU kernels for the engine's fast paths (Triton), chosen per call by the layers' fast `*_fused` functions.
+
+A layer runs the Triton kernel when its input is on CUDA and triton is installed (`pip install trueflow[kernels]`;
+GPU images ship it with torch), else the PyTorch fp32 fallback beside it in `trueflow.layers`; both compute in fp32
+and round once per output. The `qwen_image` patch group replaces the whole `impl`, so parity mode never runs
+these. `TRUEFLOW_TRITON=0` (or `kernels.ENABLED = False` before a forward) switches them off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ENABLED = HAS_TRITON and os.environ.get("TRUEFLOW_TRITON", "1") != "0"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a fast op on `x` runs its Triton kernel."""
+    return ENABLED and x.is_cuda
+
+
+def ops() -> ModuleType:
+    """The Triton kernels' launch functions (`triton_ops`), imported on first use so CPU runs never compile them."""
+    return importlib.import_module(".triton_ops", __name__)
