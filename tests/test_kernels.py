@@ -5,22 +5,28 @@ Both compute in fp32 and round once per output, so every output must lie within 
 patch group's bf16 arithmetic) breaks that bound, which the negative control shows.
 
 Where the Triton kernels run: on CUDA (tests marked gpu, skipped without it), and on the CPU under Triton's
-interpreter when triton is installed (`pip install -e .[test]` installs it; skipped otherwise). The interpreter
-reads TRITON_INTERPRET when `@triton.jit` runs, so its tests load `kernels/triton_ops.py` afresh with it set.
+interpreter when triton is installed (`pip install -e .[test]` installs it; skipped otherwise). The interpreter must
+be on before anything imports triton (diffusers does, at import), so `test_triton_interpreter` runs this file's
+interpreter cases in a child pytest started with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from conftest import BF16, EPS, randn
 from trueflow import kernels
-from trueflow.layers.modulation import layer_norm_scale_shift_fused, mul_add_fused, scale_residual_layer_norm_scale_shift_fused
+from trueflow.layers.modulation import (
+    layer_norm_scale_shift_fused,
+    mul_add_fused,
+    scale_residual_layer_norm_scale_shift_fused,
+)
 from trueflow.layers.norms import rms_norm_fused
 from trueflow.layers.rope import RopeTables, qk_norm_rope_fused, rope_tables_fused
 from trueflow.models.qwen_image import patches as P
@@ -52,42 +58,39 @@ class Fallback:
         return qk_norm_rope_fused(x, weight, eps, RopeTables(cos=cos, sin=sin))
 
 
-# The interpreter is for CPU machines; with CUDA the compiled kernels are tested instead (and the two modes of triton
-# are not mixed in one process).
-INTERPRETER = pytest.mark.skipif(not kernels.HAS_TRITON or torch.cuda.is_available(),
-                                 reason="triton is not installed (pip install -e .[kernels]): only the fallback runs"
-                                 if not kernels.HAS_TRITON else "CUDA present: the compiled kernels run instead")
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set from the process's start: the child run
+INTERPRETER = pytest.mark.skipif(not INTERPRETING,
+                                 reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter")
 IMPLS = [
     pytest.param("fallback", id="fallback"),
-    pytest.param("interpreter", id="triton-interpreter", marks=INTERPRETER),
+    pytest.param("interpreter", id="interpreter", marks=INTERPRETER),
     pytest.param("cuda", id="triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")]),
 ]
 
 
-@pytest.fixture(scope="module")
-def interpreter() -> ModuleType:
-    """`kernels/triton_ops.py` loaded afresh with TRITON_INTERPRET=1: its kernels then run on CPU tensors."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        spec = importlib.util.spec_from_file_location("_triton_ops_interpreted",
-                                                      Path(kernels.__file__).with_name("triton_ops.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def impl(request, monkeypatch) -> tuple[object, str, float]:
+def impl(request) -> tuple[object, str, float]:
     """(ops, device, error bound in bf16 ulps) of the parametrized implementation."""
     if request.param == "fallback":
         return Fallback, "cpu", 0.5
     if request.param == "interpreter":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton also reads it at launch time
         # The interpreter casts fp32 to bf16 by truncation (numpy has no bf16; triton 3.9's `cast_impl`), where the
         # GPU rounds to nearest: up to one ulp here.
-        return request.getfixturevalue("interpreter"), "cpu", 1.0
+        return kernels.ops(), "cpu", 1.0
     return kernels.ops(), "cuda", 0.5
+
+
+@pytest.mark.skipif(INTERPRETING or not kernels.HAS_TRITON or torch.cuda.is_available(),
+                    reason="the child itself, or triton is not installed (pip install -e .[kernels]), or CUDA is "
+                           "present (the compiled kernels are tested instead)")
+def test_triton_interpreter():
+    """The Triton kernels on the CPU: this file's interpreter cases in a child process with TRITON_INTERPRET=1."""
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter",
+                            str(Path(__file__).relative_to(root))], cwd=root, capture_output=True, text=True,
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
 
 
 # -- float64 references and the bound ------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ def test_double_rounding_breaks_the_bound():
 
 
 @INTERPRETER
-def test_layers_dispatch_to_the_kernels(interpreter, monkeypatch):
+def test_layers_dispatch_to_kernels_interpreter(monkeypatch):
     """The layers' fast functions hand CUDA tensors to the kernels: with the device check forced on, each one's
     output is the (interpreted) kernel's, bitwise; a CPU tensor normally takes the fallback."""
     assert not kernels.use_triton(torch.zeros(1))
@@ -206,23 +209,20 @@ def test_layers_dispatch_to_the_kernels(interpreter, monkeypatch):
     shift, scale, gate = modulation(2, 64, 4)
     q = randn((2, 5, 2, 32), 5)
     tables = rope_tables_fused(rope_positions(1, 5, 0)[0], (8, 12, 12), 10000, "cpu")
-    calls = {
-        "layer_norm_scale_shift": ((x, shift, scale, EPS), layer_norm_scale_shift_fused),
-        "scale_residual_layer_norm_scale_shift": ((x, y, gate, shift, scale, EPS),
-                                                  scale_residual_layer_norm_scale_shift_fused),
-        "mul_add": ((x, gate, y, 1.0), mul_add_fused),
-        "rms_norm": ((x, w, EPS), rms_norm_fused),
+    ops = kernels.ops()
+    calls = {  # fast layer function -> (its arguments, the kernel's output)
+        layer_norm_scale_shift_fused: ((x, shift, scale, EPS), ops.layer_norm_scale_shift(x, shift, scale, EPS)),
+        scale_residual_layer_norm_scale_shift_fused: (
+            (x, y, gate, shift, scale, EPS), ops.scale_residual_layer_norm_scale_shift(x, y, gate, shift, scale, EPS)),
+        mul_add_fused: ((x, gate, y, 1.0), ops.mul_add(x, gate, y, 1.0)),
+        rms_norm_fused: ((x, w, EPS), ops.rms_norm(x, w, EPS)),
+        qk_norm_rope_fused: ((q, w[:32], EPS, tables), ops.qk_norm_rope(q, w[:32], EPS, tables.cos, tables.sin)),
     }
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    monkeypatch.setattr(kernels, "ops", lambda: interpreter)
-    for name, (args, fused) in calls.items():
-        expect = getattr(interpreter, name)(*args)
+    for fused, (args, expect) in calls.items():
         got = fused(*args)
-        for e, g in zip(expect if isinstance(expect, tuple) else (expect,), got if isinstance(got, tuple) else (got,)):
-            assert torch.equal(g, e), name
-    assert torch.equal(qk_norm_rope_fused(q, w[:32], EPS, tables), interpreter.qk_norm_rope(q, w[:32], EPS, tables.cos,
-                                                                                          tables.sin))
+        for g, e in zip(got if isinstance(got, tuple) else (got,), expect if isinstance(expect, tuple) else (expect,)):
+            assert torch.equal(g, e), fused.__name__
 
 
 @pytest.mark.gpu

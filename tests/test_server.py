@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from conftest import BF16, TEST_THREADS, TRUEFLOW_EXE, assert_bitwise, randn
+from conftest import BF16, TEST_THREADS, TRUEFLOW_EXE, assert_bitwise, assert_differs, randn
 from trueflow.engine import wire
 from trueflow.engine.engine import Engine, SamplingParams
 from trueflow.engine.server import ServerError, create_app, push_lora, push_weights, remote_rollout
@@ -198,7 +198,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(url, path, body, 
 
 
 # -- weight updates --------------------------------------------------------------------------------------------
-def test_lora_update_by_file_and_by_ipc(fresh_url, tiny_checkpoint, tmp_path):
+def test_lora_update_by_file_and_by_ipc(fresh_url, reference, tiny_checkpoint, tmp_path):
     base = checksums(fresh_url)
     assert base["lora"] == NO_LORA
     lora = make_lora(0)
@@ -221,6 +221,7 @@ def test_lora_update_by_file_and_by_ipc(fresh_url, tiny_checkpoint, tmp_path):
     served = remote_rollout(fresh_url, *args)
     assert_same_rollout(served, ref.rollout(*args))
     assert served.engine["lora_checksum"] == tensors_checksum(other)
+    assert_differs(served.microgroups[0].latents, reference.rollout(*args).microgroups[0].latents, "LoRA vs base")
 
     # Full weights by path (a checkpoint folder) drop the LoRA: back to the base checksum.
     r = httpx.post(f"{fresh_url}/weights/full", json={"path": str(tiny_checkpoint)}, timeout=60)
@@ -275,6 +276,15 @@ def test_ipc_payloads_run_no_foreign_code(fresh_url):
     r = httpx.post(f"{fresh_url}/weights/lora", content=pickle.dumps({"buckets": [], "scale": Evil()}),
                    headers={"content-type": wire.IPC_CONTENT_TYPE})
     assert r.status_code == 400 and "global posix.system is not allowed" in r.json()["error"], r.text
+
+
+def test_ipc_handles_are_taken_from_loopback_clients_only(reference):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(reference)) as client:  # its requests come from the host "testclient"
+        r = client.post("/weights/lora", content=wire.dump_handles([], scale=1.0),
+                        headers={"content-type": wire.IPC_CONTENT_TYPE})
+    assert r.status_code == 403 and "loopback clients only" in r.json()["error"]
 
 
 def test_an_update_never_lands_inside_a_rollout(fresh_url, reference):

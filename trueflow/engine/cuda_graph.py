@@ -5,12 +5,16 @@ them. Replaying a captured graph removes that launch overhead and runs the very 
 bitwise the eager forward's (the same holds for the diffusers forward: DESIGN 4's anchor figures).
 
 Design:
-- One graph per shape key: (batch, image tokens, img_shape, text length, dtype, device, mask or not, the model's
-  patch group, whether the Triton kernels are on). A guided step calls the graph twice (positive, then negative
-  branch: the same shapes); each call copies its inputs into the graph's static buffers, replays, and returns a
-  copy of the output, so the two branches' outputs never alias. Two separate forwards are also what parity
+- One graph per key: every input's shape and dtype (batch, image tokens, text length, mask or not), img_shape,
+  the device, the model's patch group and whether the Triton kernels are on. Ambient settings at capture time
+  (e.g. an `sdpa_kernel` context choosing the attention kernel) are frozen into that graph.
+- CFG: a guided step calls the same graph twice (positive, then negative branch: the same shapes); each call
+  copies its inputs into the graph's static buffers, replays, and returns a copy of the output, so the two
+  branches' outputs never alias. Two separate forwards are also what parity
   requires (DESIGN 4, CFG). All graphs of one `GraphedForward` share one memory pool: they never run at once.
-- Eager fallback: when disabled, off CUDA, with autograd on, or for non-contiguous inputs.
+- Eager fallback: when disabled, off CUDA, with autograd on, or when the latents or text embeddings are not
+  contiguous (a GEMM on a strided input may run another kernel than on the static buffer's copy). The timestep
+  and the mask are only read elementwise, so any layout is fine (the engine passes `timesteps[i].expand(B)`).
 - Weights: a graph reads every tensor by the address it had at capture. Parameters updated in place stay valid
   (`load_weights` and the merged LoRA update copy into the parameters). Unmerged LoRA adapters are *new*
   tensors on every update (`Linear.set_lora`), and merging changes which tensors the forward reads; so before
@@ -23,6 +27,7 @@ Design:
 from __future__ import annotations
 
 import operator
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
@@ -30,12 +35,14 @@ from torch import nn
 from .. import kernels
 from ..layers.linear import Linear
 
-_MERGED = object()
+T = TypeVar("T")
+_MERGED, _NO_LORA = object(), object()
 
 
 class LoraState:
     """What captured graphs baked in of the model's LoRA, per Linear: merged (the adapters are folded into the
-    weight, which updates copy in place: any merged LoRA is fine) or the list of unmerged adapters it held.
+    weight, which updates copy in place: any merged LoRA is fine), no LoRA, or the list of unmerged adapters it
+    held.
 
     `Linear.set_lora`/`clear_lora` always assign a new adapter list, so a list compared by identity tells whether a
     layer's unmerged adapters changed. The lists are held strongly, so a freed list's id can never be reused by a
@@ -47,11 +54,27 @@ class LoraState:
         self.state = self._read()
 
     def _read(self) -> list:
-        return [_MERGED if d["base_weight"] is not None else d["adapters"] for d in self.layers]
+        return [_MERGED if d["base_weight"] is not None else a if any(a := d["adapters"]) else _NO_LORA
+                for d in self.layers]
 
     def matches(self) -> bool:
         """Whether every layer still holds the LoRA state recorded at construction."""
         return all(map(operator.is_, self._read(), self.state))
+
+
+def capture(fn: Callable[[], T], pool=None, warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `fn` `warmup` times on a side stream (lazy inits, Triton JIT, cuBLAS handles, cached RoPE tables happen
+    there, not in the graph), then capture one call; returns the graph and that call's (static) output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
 
 
 class _Graph:
@@ -59,17 +82,8 @@ class _Graph:
 
     def __init__(self, model: nn.Module, inputs: list[torch.Tensor | None], img_shape: tuple[int, int],
                  pool, warmup: int):
-        self.inputs = [None if t is None else t.clone() for t in inputs]
-        # Warm up on a side stream (lazy inits, Triton JIT, cuBLAS handles, RoPE table cache) before capturing.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                model(*self.inputs[:3], img_shape, self.inputs[3])
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = model(*self.inputs[:3], img_shape, self.inputs[3])
+        self.inputs = [None if t is None else t.contiguous().clone() for t in inputs]
+        self.graph, self.output = capture(lambda: model(*self.inputs[:3], img_shape, self.inputs[3]), pool, warmup)
 
     def __call__(self, inputs: list[torch.Tensor | None]) -> torch.Tensor:
         for static, t in zip(self.inputs, inputs):
@@ -98,13 +112,13 @@ class GraphedForward:
         self.graphs.clear()
         self.lora_state = self.pool = None
 
-    def _key(self, x: torch.Tensor, txt: torch.Tensor, img_shape: tuple[int, int], mask) -> tuple:
-        return (tuple(x.shape), tuple(img_shape), txt.shape[1], x.dtype, txt.dtype, x.device, mask is None,
-                tuple(getattr(self.model, "patches_applied", ())), kernels.ENABLED)
+    def _key(self, inputs: list[torch.Tensor | None], img_shape: tuple[int, int]) -> tuple:
+        return (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs), tuple(img_shape),
+                inputs[0].device, tuple(getattr(self.model, "patches_applied", ())), kernels.ENABLED)
 
     def _graphable(self, inputs: list[torch.Tensor | None]) -> bool:
-        return (self.enabled and not torch.is_grad_enabled()
-                and all(t is None or (t.is_cuda and t.is_contiguous()) for t in inputs))
+        return (self.enabled and not torch.is_grad_enabled() and all(t is None or t.is_cuda for t in inputs)
+                and inputs[0].is_contiguous() and inputs[1].is_contiguous())
 
     def _replay(self, inputs: list[torch.Tensor | None], img_shape: tuple[int, int]) -> torch.Tensor:
         if self.lora_state is not None and not self.lora_state.matches():
@@ -112,7 +126,7 @@ class GraphedForward:
             self.invalidations += 1
         if not self.graphs:
             self.lora_state = LoraState(self.model)
-        key = self._key(inputs[0], inputs[1], img_shape, inputs[3])
+        key = self._key(inputs, img_shape)
         graph = self.graphs.get(key)
         if graph is None:
             if self.pool is None:

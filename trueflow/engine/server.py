@@ -17,6 +17,7 @@ import io
 import ipaddress
 import json
 import re
+import sys
 import time
 import types
 import typing
@@ -90,7 +91,7 @@ def _conforms(v: Any, hint: Any) -> bool:
     if hint in (int, float) and isinstance(v, bool):  # bool is an int subclass; true is no step count
         return False
     if hint is float:  # JSON and msgpack may send 1 for 1.0; NaN and inf pass no engine check, so refuse them here
-        return isinstance(v, (int, float)) and abs(v) < float("inf")
+        return isinstance(v, (int, float)) and abs(v) <= sys.float_info.max
     return isinstance(v, hint)
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 from diffusers import QwenImageTransformer2DModel
-from diffusers.models.attention_dispatch import attention_backend
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
@@ -86,10 +85,14 @@ def train_forward(
                       "(DESIGN 3, condition 2: mixed prompt lengths in one micro-batch)", stacklevel=2)
         backend = MASKED_BACKEND
     shapes = [(1, img_shape[0], img_shape[1])] * hidden_states.shape[0]
-    with attention_backend(backend):
-        return model(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                     encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep,
-                     img_shapes=shapes, return_dict=False)[0]
+    # Set on the model, not as a context around this call: with gradient checkpointing the blocks run again in
+    # backward, after this function returned, and must take the same kernel.
+    if getattr(model, "_trueflow_attention_backend", None) != backend:  # diffusers logs on every set
+        model.set_attention_backend(backend)
+        model._trueflow_attention_backend = backend
+    return model(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                 encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep,
+                 img_shapes=shapes, return_dict=False)[0]
 
 
 def load_transformer(checkpoint: str, dtype: torch.dtype = torch.float32) -> QwenImageTransformer2DModel:

@@ -1,0 +1,257 @@
+"""Weight sync from the trainer to an engine in another process by CUDA IPC, timed until the engine confirms.
+
+    python benchmarks/weight_sync.py --out sync.json [--bucket-gb 8] [--rank 64] [--repeats 3]
+
+This process is the trainer: it holds the bf16 compute copy of the full-size Qwen-Image transformer (seeded random
+weights, diffusers names) and a LoRA. A spawned process is the engine, reduced to what a weight update touches:
+the engine transformer alone (`sync/engine_process.py` builds a whole `Engine` from a pipeline folder, which a
+benchmark of random weights has not got). Buckets (`sync/buckets.py`: one flat buffer and a manifest each) cross
+as CUDA IPC handles through a `torch.multiprocessing` queue; no tensor data goes through the pipe. Every row is
+timed from the first byte packed to the engine's checksum (`sync/checksum.py`) of what it now holds, read back
+from its parameters/layers, and the checksum is compared with the trainer's checksum of what it sent.
+
+Rows:
+    full            every transformer tensor, streamed in buckets of --bucket-gb with at most two in flight (the
+                    trainer packs bucket i+1 while the engine copies bucket i into its parameters), then the
+                    engine's checksum of all its weights
+    lora_unmerged   LoRA A/B of --rank on the attention + MLP targets (12 per block, the trainer's default), packed
+                    with `sync.buckets.pack` (512 MiB buckets) and installed as `engine_process` does
+                    (`engine.weights.update_lora`), kept unmerged (parity mode); then the LoRA checksum
+    lora_merged     the same, merged into the weights in fp32 (the engine's fast mode)
+The first sync of each row is a warm-up (IPC handles opened, allocator grown); the median of --repeats is shown.
+Without CUDA (`--size tiny`, a CPU smoke run) buckets travel through shared memory instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+from collections import deque
+
+import torch
+import torch.multiprocessing as mp
+
+from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.engine.weights import lora_state, update_lora
+from trueflow.models.qwen_image.transformer import build_model
+from trueflow.models.qwen_image.weights import _expected_tensors
+from trueflow.sync.buckets import Bucket, pack, unpack
+from trueflow.sync.checksum import tensors_checksum
+from trueflow.train.config import DEFAULT_LORA_TARGETS
+
+BF16 = torch.bfloat16
+GB = 1e9
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- the engine process ----------------------------------------------------------------------------------------------
+def engine_worker(config: dict, device: str, requests, replies) -> None:
+    """Holds the engine transformer; answers each request with (value, engine-side seconds) or an error."""
+    try:
+        model = build_model(config, device=device, dtype=BF16)  # uninitialised: the first full sync fills it
+        # diffusers tensor name -> (engine parameter, row slice of a packed q/k/v weight or None). Private to
+        # models/qwen_image/weights.py: `load_weights` takes only a complete state dict, a stream needs per-bucket.
+        targets = _expected_tensors(model)
+        replies.put(("ready", 0.0))
+    except Exception:  # noqa: BLE001 - reported to the trainer
+        replies.put(("error", traceback.format_exc()))
+        return
+    while True:
+        op, payload = requests.get()
+        t0 = time.perf_counter()
+        try:
+            if op == "close":
+                replies.put(("closed", 0.0))
+                return
+            if op == "weights":  # one bucket of full weights, copied into place
+                with torch.no_grad():
+                    for name, t in unpack([payload]).items():
+                        param, rows = targets[name]
+                        (param if rows is None else param[rows]).copy_(t)
+                del payload, t  # release the trainer's buffer (CUDA IPC counts the receiver's references)
+                _sync(device)
+                value = "copied"
+            elif op == "weights_checksum":
+                value = tensors_checksum({n: p if rows is None else p[rows] for n, (p, rows) in targets.items()})
+            elif op == "lora":
+                buckets, scale, merge_mode = payload
+                update_lora(model, unpack(buckets), scale, merge_mode)  # copies out of the buckets
+                del buckets, payload
+                _sync(device)
+                t1 = time.perf_counter()
+                value = (tensors_checksum(lora_state(model)), t1 - t0)
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            replies.put((value, time.perf_counter() - t0))
+        except Exception:  # noqa: BLE001
+            replies.put(("error", traceback.format_exc()))
+
+
+class Engine:
+    def __init__(self, config: dict, device: str):
+        ctx = mp.get_context("spawn")
+        self.requests, self.replies, self.device = ctx.Queue(), ctx.Queue(), device
+        self.process = ctx.Process(target=engine_worker, args=(config, device, self.requests, self.replies),
+                                   daemon=True)
+        self.process.start()
+
+    def send(self, op: str, payload=None, buckets: list[Bucket] = ()) -> None:
+        """`buckets`: the ones inside `payload`; on CPU they are moved to shared memory first (as EngineClient does)."""
+        if self.device == "cpu":
+            for b in buckets:
+                b.buffer.share_memory_()
+        self.requests.put((op, payload))
+
+    def reply(self):
+        value, seconds = self.replies.get(timeout=600)
+        if value == "error":
+            raise RuntimeError(f"engine process failed:\n{seconds}")
+        return value, seconds
+
+    def close(self) -> None:
+        self.send("close")
+        self.reply()
+        self.process.join(timeout=60)
+
+
+# -- the trainer side ------------------------------------------------------------------------------------------------
+def plan_buckets(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Names per bucket, in name order, each bucket at most `max_bytes` (a bigger tensor gets one of its own):
+    planned up front so the trainer can pack one bucket at a time."""
+    plans, size = [[]], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if plans[-1] and size + nbytes > max_bytes:
+            plans.append([])
+            size = 0
+        plans[-1].append(name)
+        size += nbytes
+    return plans
+
+
+def sync_full(engine: Engine, state: dict[str, torch.Tensor], plans: list[list[str]], device: str) -> dict:
+    _sync(device)
+    t0 = time.perf_counter()
+    in_flight: deque[Bucket] = deque()
+    copy_s = 0.0
+    for names in plans:
+        bucket = pack({n: state[n] for n in names}, max_bytes=1 << 62)[0]
+        engine.send("weights", bucket, [bucket])
+        in_flight.append(bucket)
+        if len(in_flight) == 2:  # keep the trainer at most one bucket ahead of the engine
+            copy_s += engine.reply()[1]
+            in_flight.popleft()
+    while in_flight:
+        copy_s += engine.reply()[1]
+        in_flight.popleft()
+    transfer = time.perf_counter() - t0
+    engine.send("weights_checksum")
+    checksum, checksum_s = engine.reply()
+    return {"total_s": time.perf_counter() - t0, "transfer_s": transfer, "engine_copy_s": copy_s,
+            "engine_checksum_s": checksum_s, "checksum": checksum}
+
+
+def sync_lora(engine: Engine, lora: dict[str, torch.Tensor], merge_mode: str, device: str) -> dict:
+    _sync(device)
+    t0 = time.perf_counter()
+    buckets = pack(lora)
+    engine.send("lora", (buckets, 1.0, merge_mode), buckets)
+    (checksum, install_s), engine_s = engine.reply()
+    return {"total_s": time.perf_counter() - t0, "transfer_s": None, "engine_copy_s": install_s,
+            "engine_checksum_s": engine_s - install_s, "checksum": checksum, "buckets": len(buckets)}
+
+
+def random_lora(config: dict, rank: int, device: str) -> dict[str, torch.Tensor]:
+    """PEFT-format A/B on every module PEFT's suffix matching picks for the default targets (shapes read off a
+    meta-device diffusers model)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        meta = QwenImageTransformer2DModel(**config)
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, device=device) * 0.01).to(BF16)
+
+    out = {}
+    for name, mod in meta.named_modules():
+        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in DEFAULT_LORA_TARGETS):
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = randn(rank, mod.in_features), randn(
+                mod.out_features, rank)
+    return out
+
+
+def timed_rows(name: str, run, expected: str, nbytes: int, repeats: int, extra: dict) -> dict:
+    runs = [run() for _ in range(1 + repeats)]
+    timed = runs[1:]
+    med = {k: statistics.median(r[k] for r in timed) if timed[0][k] is not None else None
+           for k in ("total_s", "transfer_s", "engine_copy_s", "engine_checksum_s")}
+    row = {"row": name, "gb": nbytes / GB, **med, "gb_per_s": nbytes / GB / med["total_s"],
+           "warmup_total_s": runs[0]["total_s"], "totals_s": [r["total_s"] for r in timed],
+           "checksum_ok": all(r["checksum"] == expected for r in runs), **extra}
+    print(f"  {name:14s} {row['gb']:7.2f} GB  {row['total_s']:7.3f} s  checksum ok: {row['checksum_ok']}", flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--size", default="full", help="transformer preset (tiny: a CPU smoke run)")
+    ap.add_argument("--bucket-gb", type=float, default=8.0, help="full-weight bucket size")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = transformer_config(args.size)
+    info = {"torch": torch.__version__, "python": platform.python_version(), "size": args.size,
+            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+            "date": time.strftime("%Y-%m-%d"), "bucket_gb": args.bucket_gb, "lora_rank": args.rank}
+    print(info, flush=True)
+    t0 = time.perf_counter()
+    engine = Engine(config, device)  # builds its model while the trainer builds its own
+    with torch.no_grad():
+        state = build_transformer(config, seed=0, dtype=BF16, device=device).state_dict()
+    engine.reply()  # ready
+    print(f"trainer and engine models built in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    try:
+        plans = plan_buckets(state, int(args.bucket_gb * GB))
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        rows.append(timed_rows("full", lambda: sync_full(engine, state, plans, device), tensors_checksum(state),
+                               nbytes, args.repeats, {"buckets": len(plans), "tensors": len(state)}))
+        del state
+        if device == "cuda":
+            torch.cuda.empty_cache()  # hand the 40 GB back to the driver: the merged LoRA's base copies need room
+        lora = random_lora(config, args.rank, device)
+        nbytes = sum(t.numel() * t.element_size() for t in lora.values())
+        expected = tensors_checksum(lora)
+        for mode in ("unmerged", "merged"):
+            rows.append(timed_rows(f"lora_{mode}", lambda: sync_lora(engine, lora, mode, device), expected, nbytes,
+                                   args.repeats, {"tensors": len(lora)}))
+    finally:
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+        engine.close()
+    head = (f"{'row':14s} {'GB':>7s} {'total s':>8s} {'GB/s':>7s} {'transfer s':>10s} {'engine copy s':>13s} "
+            f"{'checksum s':>10s} {'warm-up s':>9s} {'checksum ok':>11s}")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        transfer = "-" if r["transfer_s"] is None else f"{r['transfer_s']:.3f}"
+        print(f"{r['row']:14s} {r['gb']:7.2f} {r['total_s']:8.3f} {r['gb_per_s']:7.1f} {transfer:>10s} "
+              f"{r['engine_copy_s']:13.3f} {r['engine_checksum_s']:10.3f} {r['warmup_total_s']:9.3f} "
+              f"{str(r['checksum_ok']):>11s}")
+    print("(engine copy: the engine's copy-in for full weights, summed over buckets; for LoRA, update_lora's "
+          "install, merge included)")
+    return 0 if all(r["checksum_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
