@@ -7,12 +7,13 @@ import contextlib
 import os
 import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from trueflow.http import serve_in_thread
 import torch
 from conftest import TRUEFLOW_EXE
 from test_rewards import PROMPTS, Flaky, images
@@ -23,25 +24,11 @@ from trueflow.rewards.remote import RemoteReward
 
 @contextlib.contextmanager
 def served(reward, **kwargs):
-    """Serves `reward` on 127.0.0.1 at a free port (port 0: the OS picks) from a thread; yields the URL."""
-    import uvicorn
-
+    """Serves `reward` on 127.0.0.1 at a free port from a thread; yields the URL."""
     from trueflow.rewards.server import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(reward, **kwargs), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(create_app(reward, **kwargs)) as url:
+        yield url
 
 
 class Slow:

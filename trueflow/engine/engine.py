@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ class SamplingParams:
             self.sde_window = tuple(self.sde_window)  # e.g. a list read back from JSON
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        for name in ("noise_level", "cfg_scale"):  # NaN slips through every comparison below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SAMPLERS)}")
         if self.sampler != "ode" and not self.noise_level > 0:

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..http import MSGPACK
 from .base import RewardError, RewardTimeout
 
-CONTENT_TYPE = "application/msgpack"
 
 
 def pack_request(images: torch.Tensor, prompts: Sequence[str]) -> bytes:
@@ -72,7 +72,7 @@ class RemoteReward:
 
         try:
             r = self._client.post(f"{self.url}/score", content=pack_request(images, prompts),
-                                  headers={"content-type": CONTENT_TYPE})
+                                  headers={"content-type": MSGPACK})
         except httpx.TimeoutException:
             raise RewardTimeout(self.name, prompts, f"no answer within {self.timeout:g} s") from None
         except httpx.HTTPError as e:

@@ -16,7 +16,8 @@ import torch
 from fastapi import FastAPI, HTTPException, Request, Response
 
 from .base import Reward, as_scores, build_reward
-from .remote import CONTENT_TYPE, pack_scores, unpack_request
+from ..http import MSGPACK
+from .remote import pack_scores, unpack_request
 
 _Item = tuple[torch.Tensor, list[str], "asyncio.Future[torch.Tensor]"]
 
@@ -105,7 +106,7 @@ def create_app(reward: Reward, max_batch: int = 64, max_wait_ms: float = 5.0) ->
             raise HTTPException(500, f"{type(e).__name__}: {e}") from e
         finally:
             batcher.requests += 1
-        return Response(pack_scores(scores), media_type=CONTENT_TYPE)
+        return Response(pack_scores(scores), media_type=MSGPACK)
 
     return app
 
