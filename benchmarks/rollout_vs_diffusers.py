@@ -67,7 +67,9 @@ ROWS: dict[str, tuple[str, ...] | None] = {  # row -> the shapes it runs at (Non
 }
 NEEDS_CUDA = {"diffusers_graph", "diffusers_compile"}
 TEXT_LEN, CFG_SCALE, NOISE_LEVEL = 128, 4.0, 0.7
-SIGMA, SIGMA_NEXT, SIGMA_1 = 0.8, 0.7, 0.97  # a mid-schedule SDE step (sigma_1 only matters at sigma = 1)
+# A mid-schedule SDE step (sigma_1 only matters at sigma = 1); t = 731.2 is not a bf16 number, so the pipeline's
+# timestep rounding (the `timestep_dtype` patch) is exercised.
+SIGMA, SIGMA_NEXT, SIGMA_1 = 0.7312, 0.6407, 0.97
 PIXELS_PER_TOKEN = 16  # VAE factor 8 x patch 2
 BF16 = torch.bfloat16
 

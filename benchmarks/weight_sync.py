@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import queue
 import statistics
 import time
 import traceback
@@ -95,7 +96,9 @@ def engine_worker(config: dict, device: str, requests, replies) -> None:
             replies.put(("error", traceback.format_exc()))
 
 
-class Engine:
+class EngineProcess:
+    """The engine side, in a spawned process, driven through two queues."""
+
     def __init__(self, config: dict, device: str):
         ctx = mp.get_context("spawn")
         self.requests, self.replies, self.device = ctx.Queue(), ctx.Queue(), device
@@ -111,14 +114,21 @@ class Engine:
         self.requests.put((op, payload))
 
     def reply(self):
-        value, seconds = self.replies.get(timeout=600)
+        while True:
+            try:
+                value, seconds = self.replies.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the engine process died (exit code {self.process.exitcode})") from None
         if value == "error":
             raise RuntimeError(f"engine process failed:\n{seconds}")
         return value, seconds
 
     def close(self) -> None:
-        self.send("close")
-        self.reply()
+        if self.process.is_alive():
+            self.send("close")
+            self.reply()
         self.process.join(timeout=60)
 
 
@@ -137,7 +147,7 @@ def plan_buckets(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
     return plans
 
 
-def sync_full(engine: Engine, state: dict[str, torch.Tensor], plans: list[list[str]], device: str) -> dict:
+def sync_full(engine: EngineProcess, state: dict[str, torch.Tensor], plans: list[list[str]], device: str) -> dict:
     _sync(device)
     t0 = time.perf_counter()
     in_flight: deque[Bucket] = deque()
@@ -159,7 +169,7 @@ def sync_full(engine: Engine, state: dict[str, torch.Tensor], plans: list[list[s
             "engine_checksum_s": checksum_s, "checksum": checksum}
 
 
-def sync_lora(engine: Engine, lora: dict[str, torch.Tensor], merge_mode: str, device: str) -> dict:
+def sync_lora(engine: EngineProcess, lora: dict[str, torch.Tensor], merge_mode: str, device: str) -> dict:
     _sync(device)
     t0 = time.perf_counter()
     buckets = pack(lora)
@@ -201,6 +211,13 @@ def timed_rows(name: str, run, expected: str, nbytes: int, repeats: int, extra: 
     return row
 
 
+def full_row(engine: EngineProcess, state: dict[str, torch.Tensor], args: argparse.Namespace, device: str) -> dict:
+    plans = plan_buckets(state, int(args.bucket_gb * GB))
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return timed_rows("full", lambda: sync_full(engine, state, plans, device), tensors_checksum(state), nbytes,
+                      args.repeats, {"buckets": len(plans), "tensors": len(state)})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -216,17 +233,14 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"), "bucket_gb": args.bucket_gb, "lora_rank": args.rank}
     print(info, flush=True)
     t0 = time.perf_counter()
-    engine = Engine(config, device)  # builds its model while the trainer builds its own
+    engine = EngineProcess(config, device)  # builds its model while the trainer builds its own
     with torch.no_grad():
         state = build_transformer(config, seed=0, dtype=BF16, device=device).state_dict()
     engine.reply()  # ready
     print(f"trainer and engine models built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     try:
-        plans = plan_buckets(state, int(args.bucket_gb * GB))
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        rows.append(timed_rows("full", lambda: sync_full(engine, state, plans, device), tensors_checksum(state),
-                               nbytes, args.repeats, {"buckets": len(plans), "tensors": len(state)}))
+        rows.append(full_row(engine, state, args, device))
         del state
         if device == "cuda":
             torch.cuda.empty_cache()  # hand the 40 GB back to the driver: the merged LoRA's base copies need room

@@ -7,7 +7,8 @@ patch group's bf16 arithmetic) breaks that bound, which the negative control sho
 Where the Triton kernels run: on CUDA (tests marked gpu, skipped without it), and on the CPU under Triton's
 interpreter when triton is installed (`pip install -e .[test]` installs it; skipped otherwise). The interpreter must
 be on before anything imports triton (diffusers does, at import), so `test_triton_interpreter` runs this file's
-interpreter cases in a child pytest started with TRITON_INTERPRET=1.
+interpreter cases in a child pytest started with TRITON_INTERPRET=1. (The interpreter truncates fp32 to bf16, so
+there the bound is one ulp; a GPU rounds to nearest.)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def ids(shapes):
     return ["x".join(map(str, s)) for s in shapes]
 
 
-# -- the four implementations under test ------------------------------------------------------------------------
+# -- the implementations under test: fallback, interpreter, CUDA -----------------------------------------------
 class Fallback:
     """The layers' PyTorch code (what runs on a CPU)."""
 
@@ -176,8 +177,8 @@ def rope64(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("shape", QK_SHAPES, ids=ids(QK_SHAPES))
 def test_qk_norm_rope(impl, shape):
-    """q as the packed q/k/v GEMM gives it (a strided slice of [B, S, 3·H·D]), and the engine's own fp32 tables
-    for an image grid of S tokens (angles up to ~S, so the rotation is not near the identity)."""
+    """k as the packed q/k/v GEMM gives it (a strided slice of [B, S, 3·H·D]), and the engine's own fp32 tables
+    for a 1 x S image grid (positions up to ±S/2, so the rotation is far from the identity)."""
     ops, dev, ulps = impl
     B, S, H, D = shape
     qkv = randn((B, S, 3 * H * D), 11, std=2.0)
@@ -227,7 +228,9 @@ def test_layers_dispatch_to_kernels_interpreter(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")
-def test_use_triton_on_cuda(monkeypatch):
-    assert kernels.use_triton(torch.zeros(1, device="cuda"))
+def test_layers_use_triton_on_cuda(monkeypatch):
+    x, w = randn((2, 37, 3584), 1).cuda(), randn((3584,), 2, mean=1.0).cuda()
+    assert kernels.use_triton(x)
+    assert torch.equal(rms_norm_fused(x, w, EPS), kernels.ops().rms_norm(x, w, EPS))
     monkeypatch.setattr(kernels, "ENABLED", False)  # TRUEFLOW_TRITON=0
-    assert not kernels.use_triton(torch.zeros(1, device="cuda"))
+    assert not kernels.use_triton(x)

@@ -26,6 +26,7 @@ from ..loading import CheckpointError
 from ..models.qwen_image.weights import load_weights
 from ..sync.checksum import tensors_checksum
 from . import weights
+from .cuda_graph import GraphedForward
 from .guidance import true_cfg
 from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
 from .samplers import cps_step, draw_sde_window, ode_step, sample_noise, sde_step
@@ -107,10 +108,11 @@ def derive_seed(seed: int, *path: int) -> int:
 
 class Engine:
     """Loads a Qwen-Image pipeline folder: the engine transformer (with a rollout patch group), the text
-    encoder and tokenizer, the VAE and the scheduler config."""
+    encoder and tokenizer, the VAE and the scheduler config. On CUDA the transformer's forwards replay CUDA graphs
+    (one per shape, bitwise equal to eager; `cuda_graphs=False` runs eagerly)."""
 
     def __init__(self, checkpoint: str | Path, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, cuda_graphs: bool = True):
         root = Path(checkpoint)
         for sub in ("tokenizer", "text_encoder", "vae", "scheduler"):
             if not (root / sub).is_dir():
@@ -119,6 +121,7 @@ class Engine:
         self.checkpoint, self.device, self.dtype = str(root), torch.device(device), dtype
         self.patch_group, self.disabled_patches = patch_group, tuple(disabled_patches)
         self.transformer = weights.load_engine_transformer(root, self.device, dtype, patch_group, disabled_patches)
+        self.forward = GraphedForward(self.transformer, enabled=cuda_graphs and self.device.type == "cuda")
         self.tokenizer = Qwen2Tokenizer.from_pretrained(root / "tokenizer")
         self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             root / "text_encoder", dtype=dtype).to(self.device).eval()
@@ -219,8 +222,8 @@ class Engine:
             # The schedule's fp32 timestep; the engine model's timestep path rounds it as the pipeline does
             # (`t.to(bf16) / 1000`) under the qwen_image patch group, and keeps fp32 on the fast path.
             t = timesteps[i].expand(b)
-            pos = self.transformer(x, pos_embeds, t, grid, pos_mask)
-            neg = self.transformer(x, neg_embeds, t, grid, neg_mask) if neg_embeds is not None else None
+            pos = self.forward(x, pos_embeds, t, grid, pos_mask)
+            neg = self.forward(x, neg_embeds, t, grid, neg_mask) if neg_embeds is not None else None
             v = true_cfg(pos, neg, params.cfg_scale) if neg is not None else pos
             if i in sde_steps:
                 noise = sample_noise(x.shape[1:], gens, torch.float32, self.device)

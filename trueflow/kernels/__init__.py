@@ -20,8 +20,8 @@ ENABLED = HAS_TRITON and os.environ.get("TRUEFLOW_TRITON", "1") != "0"
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether a fast op on `x` runs its Triton kernel."""
-    return ENABLED and x.is_cuda
+    """Whether a fast op on `x` runs its Triton kernel (CUDA, and no autograd: the kernels have no backward)."""
+    return ENABLED and x.is_cuda and not x.requires_grad
 
 
 def ops() -> ModuleType:
