@@ -164,3 +164,12 @@ def test_an_existing_run_is_not_overwritten(embedded_run, tiny_checkpoint):
     out, _ = embedded_run
     with pytest.raises(FileExistsError, match="--resume"):
         run_training(TrainConfig(output_dir=str(out), checkpoint=str(tiny_checkpoint), **FAST))
+
+
+def test_reward_in_the_engine_process(embedded_run, tiny_checkpoint, tmp_path):
+    """Placing the reward in the engine process changes where it runs, not a single metric."""
+    _, embedded = embedded_run
+    rows = train(tmp_path, tiny_checkpoint, num_rollouts=1, engine_process=True, reward_placement="engine")
+    assert comparable(rows) == comparable(embedded[:1])
+    with pytest.raises(ValueError, match="needs --engine-process"):
+        config(tmp_path, tiny_checkpoint, reward_placement="engine").validate()

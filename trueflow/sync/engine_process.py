@@ -35,13 +35,15 @@ def _to_cpu(obj):
     return obj
 
 
-def _serve(args: tuple, threads: int, requests, replies) -> None:
+def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, replies) -> None:
     # DESIGN 3 condition 9: on CPU the engine must use the trainer's intra-op thread count.
     torch.set_num_threads(threads)
     try:
         from ..engine.engine import Engine
+        from ..rewards.base import build_reward, score
 
         engine = Engine(*args)
+        reward = build_reward(*reward_args) if reward_args is not None else None
         replies.put((True, "ready"))
     except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
         replies.put((False, traceback.format_exc()))
@@ -54,6 +56,10 @@ def _serve(args: tuple, threads: int, requests, replies) -> None:
                 return
             if op == "rollout":
                 value = _to_cpu(engine.rollout(*payload))
+            elif op == "rollout_scored":  # the reward placed in the engine process: images never leave it unscored
+                *rollout_args, prompts, on_error = payload
+                rollout = engine.rollout(*rollout_args)
+                value = (_to_cpu(rollout), *score(reward, rollout.images, prompts, on_error=on_error))
             elif op == "update_lora":
                 buckets, scale, merge_mode = payload
                 # Clone out of the sender's buffers: they are the trainer's, freed once it has our answer.
@@ -74,13 +80,15 @@ class EngineClient:
 
     def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reward: tuple[str, str | None, str] | None = None):
+        """`reward`: (spec, model path, device) of a reward to build in the engine process, for
+        `rollout_scored`; None keeps rewards out of it."""
         ctx = mp.get_context("spawn")
         self.requests, self.replies = ctx.Queue(), ctx.Queue()
         self.bucket_bytes = bucket_bytes
         self.process = ctx.Process(target=_serve, daemon=True, args=(
             (checkpoint, patch_group, tuple(disabled_patches), device, dtype),
-            threads or torch.get_num_threads(), self.requests, self.replies))
+            threads or torch.get_num_threads(), reward, self.requests, self.replies))
         self.process.start()
         self._reply()
 
@@ -102,6 +110,11 @@ class EngineClient:
 
     def rollout(self, prompts, n_per_prompt, params, seed, decode=True, record_snapshot=False):
         return self._call("rollout", prompts, n_per_prompt, params, seed, decode, record_snapshot)
+
+    def rollout_scored(self, prompts, n_per_prompt, params, seed, record_snapshot, sample_prompts, on_error):
+        """A rollout and its rewards, both computed in the engine process: (rollout, scores, dropped)."""
+        return self._call("rollout_scored", prompts, n_per_prompt, params, seed, True, record_snapshot,
+                          sample_prompts, on_error)
 
     def update_lora(self, state: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> str:
         """Send the LoRA as buckets of IPC handles; returns the engine's checksum once the update is in place."""

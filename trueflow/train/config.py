@@ -72,6 +72,9 @@ class TrainConfig:
     kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base")
     reward: str = _f("redness", "reward spec: name, name:w,name2:w2, or module:function")
     reward_model: str | None = _f(None, "local model folder of the reward (e.g. PickScore)")
+    reward_placement: str = _f("trainer", "where the reward runs: the trainer's rank 0, or the engine process "
+                                          "(with --engine-process; an HTTP reward server is --reward http://HOST:PORT)",
+                               choices=("trainer", "engine"))
     reward_on_error: str = _f("raise", "a failing reward: stop cleanly, or skip that prompt's group",
                               choices=("raise", "skip"))
     # run
@@ -141,6 +144,9 @@ class TrainConfig:
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
         if self.kl_beta and not self.use_lora:
             errors.append("--kl-beta needs a LoRA: the reference policy is the LoRA-disabled base")
+        if self.reward_placement == "engine" and not self.engine_process:
+            errors.append("--reward-placement engine needs --engine-process (without it the engine runs in the "
+                          "trainer's process, which is --reward-placement trainer)")
         if self.resolution % 16:
             errors.append(f"--resolution {self.resolution} must be a multiple of 16")
         if self.micro_batch_size_sample < 1 or self.micro_batch_size_tstep < 1:

@@ -38,9 +38,10 @@ def run_training(cfg: TrainConfig) -> Path | None:
         engine = reward = None
         if ctx.is_main:
             engine = _start_engine(cfg, dtype, ctx.device)
-            from ..rewards.base import build_reward
+            if not (cfg.engine_process and cfg.reward_placement == "engine"):
+                from ..rewards.base import build_reward
 
-            reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device))
+                reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device))
         from .trainer import Trainer
 
         Trainer(cfg, ctx, engine, reward).run()
@@ -55,8 +56,9 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device):
     if cfg.engine_process:
         from ..sync.engine_process import EngineClient
 
+        reward = (cfg.reward, cfg.reward_model, str(device)) if cfg.reward_placement == "engine" else None
         return EngineClient(cfg.checkpoint, cfg.rollout_patch_group, tuple(cfg.disable_patch), str(device), dtype,
-                            threads=torch.get_num_threads())
+                            threads=torch.get_num_threads(), reward=reward)
     from ..engine.engine import Engine
 
     with warnings.catch_warnings():

@@ -79,14 +79,18 @@ class Trainer:
         payload = None
         if self.ctx.is_main:
             t0 = time.perf_counter()
-            rollout = self.engine.rollout(prompts, cfg.n_samples_per_prompt, self.sampling_params(),
-                                          seed=cfg.seed * 1_000_003 + index, record_snapshot=cfg.debug)
-            t1 = time.perf_counter()
-            from ..rewards.base import score
+            sample_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
+            args = (prompts, cfg.n_samples_per_prompt, self.sampling_params(), cfg.seed * 1_000_003 + index)
+            if self.reward is None:  # placed in the engine process: one round trip, times not split
+                rollout, rewards, dropped = self.engine.rollout_scored(*args, cfg.debug, sample_prompts,
+                                                                       cfg.reward_on_error)
+                t1 = time.perf_counter()
+            else:
+                rollout = self.engine.rollout(*args, record_snapshot=cfg.debug)
+                t1 = time.perf_counter()
+                from ..rewards.base import score
 
-            rewards, dropped = score(self.reward, rollout.images,
-                                     [p for p in prompts for _ in range(cfg.n_samples_per_prompt)],
-                                     on_error=cfg.reward_on_error)
+                rewards, dropped = score(self.reward, rollout.images, sample_prompts, on_error=cfg.reward_on_error)
             t2 = time.perf_counter()
             if cfg.debug:
                 from ..engine.snapshot import save_snapshot
