@@ -23,6 +23,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from ..engine.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX
+from ..engine.schedule import QWEN_IMAGE_SCHEDULER_CONFIG
 from .presets import build_transformer, init_weights_, transformer_config
 
 FAMILIES = ("qwen_image",)
@@ -106,23 +107,6 @@ _VAE = {
                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160],
 }
 
-# The real Qwen-Image scheduler_config.json.
-_SCHEDULER = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 0.9,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "invert_sigmas": False,
-    "shift_terminal": 0.02,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "time_shift_type": "exponential",
-    "stochastic_sampling": False,
-}
 
 
 def template_prefix() -> str:
@@ -205,7 +189,7 @@ def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch
     transformer = build_transformer(size, seed, dtype, device)
     tokenizer = build_tokenizer()
     return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(QWEN_IMAGE_SCHEDULER_CONFIG),
         vae=init_weights_(AutoencoderKLQwenImage(**_VAE), seed + 1).eval(),
         text_encoder=_build_text_encoder(tokenizer, transformer.config.joint_attention_dim, seed + 2),
         tokenizer=tokenizer,
