@@ -21,17 +21,17 @@ class EngineProcessError(RuntimeError):
     pass
 
 
-def _to_cpu(obj):
+def to_cpu(obj):
     """Tensors of a rollout (nested dataclasses, lists, dicts) moved to the CPU for the trip back."""
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(o) for o in obj)
+        return type(obj)(to_cpu(o) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     if hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            setattr(obj, name, _to_cpu(getattr(obj, name)))
+            setattr(obj, name, to_cpu(getattr(obj, name)))
     return obj
 
 
@@ -55,11 +55,11 @@ def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, repli
                 replies.put((True, None))
                 return
             if op == "rollout":
-                value = _to_cpu(engine.rollout(*payload))
+                value = to_cpu(engine.rollout(*payload))
             elif op == "rollout_scored":  # the reward placed in the engine process: images never leave it unscored
                 *rollout_args, prompts, on_error = payload
                 rollout = engine.rollout(*rollout_args)
-                value = (_to_cpu(rollout), *score(reward, rollout.images, prompts, on_error=on_error))
+                value = (to_cpu(rollout), *score(reward, rollout.images, prompts, on_error=on_error))
             elif op == "update_lora":
                 buckets, scale, merge_mode = payload
                 # Clone out of the sender's buffers: they are the trainer's, freed once it has our answer.

@@ -29,6 +29,8 @@ def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
 def run_training(cfg: TrainConfig) -> Path | None:
     """Runs on every rank; returns the run folder on rank 0, None elsewhere."""
     cfg.validate()
+    if not cfg.resume and (Path(cfg.output_dir) / "metrics.jsonl").exists():  # before anything heavy starts
+        raise FileExistsError(f"{cfg.output_dir} holds a run: use --resume to continue it, or another --output-dir")
     ctx = init_distributed(cfg.device)
     try:
         _ensure_checkpoint(cfg, ctx.is_main)

@@ -18,6 +18,7 @@ from ..engine.samplers import cps_log_prob, sde_log_prob
 from ..rl.advantages import group_advantages
 from ..rl.loss import kl_penalty, ppo_clip_loss
 from ..sync.checksum import tensors_checksum
+from ..sync.engine_process import to_cpu
 from . import checkpoint as ckpt
 from .batch import TrainBatch, assemble
 from .config import TrainConfig
@@ -57,7 +58,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.out / "metrics.jsonl",
                                      self.out / "tensorboard" if cfg.tensorboard else None,
                                      keep_lines=keep) if ctx.is_main else None
-        self.last_sync_checksum = self._sync() if ctx.is_main or ctx.world > 1 else None
+        self._sync()  # the engine starts from the trainer's weights (after a resume: the checkpoint's)
 
     # -- weight sync ---------------------------------------------------------------------------------------------
     def _sync(self) -> dict:
@@ -97,7 +98,8 @@ class Trainer:
 
                 save_snapshot(rollout, self.out / "snapshots" / f"rollout-{index:05d}.safetensors")
             payload = (rollout, rewards, dropped, {"time_rollout": t1 - t0, "time_reward": t2 - t1})
-        return broadcast_object(payload) if self.ctx.world > 1 else payload
+        # Over the wire on the CPU: unpickled on another rank, a CUDA tensor would land on rank 0's GPU.
+        return broadcast_object(to_cpu(payload)) if self.ctx.world > 1 else payload
 
     def sampling_params(self):
         from ..engine.engine import SamplingParams
