@@ -45,7 +45,10 @@ def add_lora(model: QwenImageTransformer2DModel, spec: LoraSpec, b_init_std: flo
     """Attach a PEFT LoRA adapter through diffusers' `add_adapter` (which keeps the model's dtype). PEFT draws A
     from the global RNG, so the attach runs under a forked RNG seeded with `seed`: the same seed, the same
     adapter. With `b_init_std > 0`, B is drawn from a seeded normal so the adapter matters from the start."""
-    with torch.random.fork_rng():
+    # Fork only the model's own device: forking every visible GPU would make each torchrun rank create a context
+    # on every other rank's GPU.
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(seed)
         model.add_adapter(spec.peft_config())
     if b_init_std > 0:
