@@ -77,3 +77,14 @@ def test_micro_batch_unlike_the_microgroup_differs_at_real_width():
                                 i["img_shape"]) for s in (slice(0, 2), slice(2, 4))]
     assert torch.equal(rollout, probe.train_output)  # micro-batch == microgroup: bitwise
     assert not torch.equal(rollout, torch.cat(halves))  # two micro-batches of 2: not
+
+
+def test_kl_to_the_base_keeps_parity(tmp_path, tiny_checkpoint):
+    """--kl-beta runs the LoRA-disabled base beside the policy: zero KL before the first update (B = 0 makes them
+    one model), positive after it, and the policy forward stays bitwise with the engine."""
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(tiny_checkpoint), **{**BASE, "num_rollouts": 2},
+                      kl_beta=0.1)
+    run_training(cfg)
+    first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert first["kl"] == 0.0 and second["kl"] > 0
+    assert first["model_output_max_abs_diff"] == 0.0 and second["model_output_max_abs_diff"] == 0.0
