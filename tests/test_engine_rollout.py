@@ -20,6 +20,8 @@ from trueflow.engine.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX, 
 from trueflow.engine.samplers import cps_log_prob, sde_log_prob
 from trueflow.engine.trajectory import model_timestep
 from trueflow.loading import read_transformer_state_dict
+from trueflow.train.batch import assemble
+from trueflow.train.pairs import micro_batches, rank_samples
 
 PROMPTS = ["a red apple on a wooden table", "a cat", "an old lighthouse on a rocky coast at sunset, waves below"]
 
@@ -178,16 +180,25 @@ def test_log_probs_equal_rescoring_the_recorded_transitions(fast, sampler):
     params = replace(SDE, sampler=sampler)
     rollout = fast.rollout(PROMPTS[:1], 2, params, seed=1, decode=False)
     steps = 0
-    for b in rollout.step_batches():
+    for b in _train_batches(rollout):
         if sampler == "sde":
-            log_prob = sde_log_prob(b.next_latents, b.latents, b.guided_output, b.sigma, b.sigma_next, b.sigma_1,
+            log_prob = sde_log_prob(b.next_latents, b.latents, b.engine_guided, b.sigma, b.sigma_next, b.sigma_1,
                                     params.noise_level)[0]
         else:
-            log_prob = cps_log_prob(b.next_latents, b.latents, b.guided_output, b.sigma, b.sigma_next,
+            log_prob = cps_log_prob(b.next_latents, b.latents, b.engine_guided, b.sigma, b.sigma_next,
                                     params.noise_level)[0]
-        assert_bitwise(log_prob, b.log_prob, f"step {b.step}")
+        assert_bitwise(log_prob, b.old_log_prob, f"rows {b.rows}")
         steps += 1
     assert steps == len(rollout.microgroups) * 2
+
+
+def _train_batches(rollout):
+    """The trainer's own micro-batches of a rollout (one microgroup at one SDE step, as the aligned settings cut)."""
+    sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
+    slots = len(rollout.microgroups[0].sde_steps)
+    advantages = torch.zeros(sum(sizes))
+    return [assemble(rollout, rows, advantages, torch.device("cpu"))
+            for rows in micro_batches(rank_samples(sizes, 1, 0, "contiguous"), slots, sizes[0], 1)]
 
 
 # -- the record ------------------------------------------------------------------------------------------------
@@ -204,14 +215,13 @@ def test_rollout_layout(fast, tiny_checkpoint):
     assert all((mg.log_probs[t] == 0).all() for t in range(4) if t not in mg.sde_steps)
     assert all((mg.log_probs[t] != 0).all() for t in mg.sde_steps)
     assert rollout.engine["patch_group"] == "none" and rollout.engine["checkpoint"] == str(tiny_checkpoint)
-    pairs = list(rollout.pairs())
-    assert len(pairs) == 8 * 2 and pairs[:4] == [(0, mg.sde_steps[0]), (1, mg.sde_steps[0]),
-                                                 (0, mg.sde_steps[1]), (1, mg.sde_steps[1])]
-    b = next(rollout.step_batches())
-    assert_bitwise(b.timestep, pipeline_timestep(mg.timesteps[b.step], BF16).expand(2), "diffusers' timestep")
-    assert torch.equal(b.timestep, model_timestep(mg.timesteps[b.step], BF16).expand(2))
+    b = _train_batches(rollout)[0]
+    step = mg.sde_steps[b.rows[0].slot]
+    assert [r.sample for r in b.rows] == [0, 1]
+    assert_bitwise(b.timestep, pipeline_timestep(mg.timesteps[step], BF16).expand(2), "diffusers' timestep")
+    assert torch.equal(b.timestep, model_timestep(mg.timesteps[step], BF16).expand(2))
     ode = fast.rollout(PROMPTS[:1], 1, SamplingParams(steps=2, sampler="ode"), seed=2, decode=False)
-    assert ode.images is None and ode.microgroups[0].sde_steps == [] and not list(ode.step_batches())
+    assert ode.images is None and ode.microgroups[0].sde_steps == [] and not ode.microgroups[0].guided_outputs.numel()
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -1,14 +1,14 @@
 """What a rollout returns: per-microgroup trajectories, recorded exactly as the engine ran them.
 
 The trainer re-scores from these records and nothing else (DESIGN 3, conditions 7 and 8): the same prompt
-embeddings and masks, the same batch (one microgroup), the same latents and timesteps, in the same order.
-`Rollout.step_batches()` hands them out as train micro-batches of one microgroup at one stochastic step.
+embeddings and masks, the same batch (one microgroup), the same latents and timesteps, in the same order
+(`trueflow.train.batch.assemble` cuts its micro-batches from them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,28 +57,6 @@ class Microgroup:
 
 
 @dataclass
-class StepBatch:
-    """One train micro-batch: a microgroup's samples at one stochastic step, with every input as recorded."""
-
-    microgroup: int
-    step: int
-    sample_indices: list[int]
-    latents: torch.Tensor  # x_t [B, S, C]
-    next_latents: torch.Tensor  # x_{t+1} as stored, what the log-prob scores
-    timestep: torch.Tensor  # [B] latent dtype, the transformer's timestep input (as diffusers takes it)
-    sigma: torch.Tensor  # 0-dim fp32
-    sigma_next: torch.Tensor  # 0-dim fp32
-    sigma_1: torch.Tensor  # 0-dim fp32, sigmas[1] (the SDE's denominator at sigma = 1)
-    log_prob: torch.Tensor  # [B] fp32, the rollout's (old) log-prob
-    guided_output: torch.Tensor  # [B, S, C] the rollout's guided output (the parity metric's reference)
-    prompt_embeds: torch.Tensor
-    prompt_mask: torch.Tensor | None
-    negative_prompt_embeds: torch.Tensor | None
-    negative_prompt_mask: torch.Tensor | None
-    img_shape: tuple[int, int]
-
-
-@dataclass
 class Rollout:
     prompts: list[str]
     n_per_prompt: int
@@ -87,24 +65,3 @@ class Rollout:
     microgroups: list[Microgroup]  # prompt-major, then sample order: the order to train in
     images: torch.Tensor | None  # uint8 [P * n, H, W, 3] prompt-major; None with decode=False
     engine: dict  # checkpoint, patch group, patches applied, dtype, device (and weights checksum in snapshots)
-
-    def step_batches(self) -> Iterator[StepBatch]:
-        """Train micro-batches in rollout order: microgroup by microgroup, its SDE steps in order."""
-        for m, mg in enumerate(self.microgroups):
-            for j, t in enumerate(mg.sde_steps):
-                yield StepBatch(
-                    microgroup=m, step=t, sample_indices=mg.sample_indices,
-                    latents=mg.latents[t], next_latents=mg.latents[t + 1],
-                    timestep=model_timestep(mg.timesteps[t], mg.latents.dtype).expand(len(mg.sample_indices)),
-                    sigma=mg.sigmas[t], sigma_next=mg.sigmas[t + 1], sigma_1=mg.sigmas[1],
-                    log_prob=mg.log_probs[t], guided_output=mg.guided_outputs[j],
-                    prompt_embeds=mg.prompt_embeds, prompt_mask=mg.prompt_mask,
-                    negative_prompt_embeds=mg.negative_prompt_embeds, negative_prompt_mask=mg.negative_prompt_mask,
-                    img_shape=mg.img_shape)
-
-    def pairs(self) -> Iterator[tuple[int, int]]:
-        """(sample index, step) train pairs, in the order `step_batches` covers them."""
-        for mg in self.microgroups:
-            for t in mg.sde_steps:
-                for i in mg.sample_indices:
-                    yield i, t

@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "time_step")  # vary run to run
+TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync")  # vary run to run
 
 
 class MetricsWriter:
