@@ -2,7 +2,8 @@
 
 Wire format (msgpack, raw bytes so images and scores cross exactly, NaN included):
 request `{"shape": [N, H, W, 3], "images": uint8 bytes, "prompts": [N strings]}` to POST /score,
-answer `{"scores": float32 bytes}`; a failure answers a non-200 status with JSON `{"detail": message}`.
+answer `{"scores": float32 bytes}`; a failure answers a non-200 status with JSON `{"detail": message}` (400 for a
+body that breaks these types: `rewards.server.ScoreRequest` checks them strictly).
 GET /info answers `{"name", "requests", "calls"}`.
 """
 
@@ -17,26 +18,11 @@ from ..http import MSGPACK
 from .base import RewardError, RewardTimeout
 
 
-
 def pack_request(images: torch.Tensor, prompts: Sequence[str]) -> bytes:
     import msgpack
 
     return msgpack.packb({"shape": list(images.shape), "images": images.contiguous().numpy().tobytes(),
                           "prompts": list(prompts)})
-
-
-def unpack_request(body: bytes) -> tuple[torch.Tensor, list[str]]:
-    import msgpack
-
-    try:
-        msg = msgpack.unpackb(body)
-        shape, prompts = [int(s) for s in msg["shape"]], [str(p) for p in msg["prompts"]]
-        images = np.frombuffer(msg["images"], dtype=np.uint8).reshape(shape)
-    except Exception as e:  # noqa: BLE001 - any malformed body is the client's error
-        raise ValueError(f"malformed request: {type(e).__name__}: {e}") from e
-    if len(shape) != 4 or shape[-1] != 3 or shape[0] != len(prompts):
-        raise ValueError(f"expected images [N, H, W, 3] for {len(prompts)} prompts, got shape {shape}")
-    return torch.from_numpy(images.copy()), prompts
 
 
 def pack_scores(scores: torch.Tensor) -> bytes:

@@ -9,15 +9,73 @@ Scores go back raw: the client's `score` checks them, names failing prompts and 
 from __future__ import annotations
 
 import asyncio
+import math
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Annotated
 
+import numpy as np
 import torch
 from fastapi import FastAPI, HTTPException, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBytes, StrictInt, StrictStr, ValidationError, model_validator
 
 from .base import Reward, as_scores, build_reward
 from ..http import MSGPACK
-from .remote import pack_scores, unpack_request
+from .remote import pack_scores
+
+_Count = Annotated[StrictInt, Field(ge=0)]
+_Side = Annotated[StrictInt, Field(gt=0)]
+
+
+class ScoreRequest(BaseModel):
+    """The body of POST /score (`remote.pack_request` writes it). Strict types: no string taken for a list, no
+    number for a string, no float or bool for a dimension; every image has at least one pixel."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shape: tuple[_Count, _Side, _Side, StrictInt]  # [N, H, W, 3]
+    images: StrictBytes  # uint8, C order
+    prompts: list[StrictStr]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScoreRequest:
+        shape, nbytes = list(self.shape), math.prod(self.shape)
+        if shape[3] != 3:
+            raise ValueError(f"shape {shape}: images must have 3 channels (RGB), got {shape[3]}")
+        if shape[0] != len(self.prompts):
+            raise ValueError(f"shape {shape} holds {shape[0]} images for {len(self.prompts)} prompts")
+        if len(self.images) != nbytes:
+            raise ValueError(f"images: {len(self.images)} bytes, the shape {shape} needs {nbytes}")
+        return self
+
+
+def _validation_message(e: ValidationError, shown: int = 5) -> str:
+    """`field.index: reason (got value or type)` per problem, the first `shown` of them, on one line."""
+    problems = []
+    for err in e.errors(include_url=False)[:shown]:
+        where, value = ".".join(str(x) for x in err["loc"]), err.get("input")
+        got = "" if err["type"] == "missing" or err["type"].startswith("value_error") else \
+            f" (got {value!r})" if isinstance(value, (int, float, type(None))) else f" (got {type(value).__name__})"
+        problems.append(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}{got}")
+    more = e.error_count() - shown
+    return "bad request: " + "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
+
+
+def unpack_request(body: bytes) -> tuple[torch.Tensor, list[str]]:
+    """A /score body -> (uint8 images [N, H, W, 3], N prompts); ValueError with the reason for any bad body."""
+    import msgpack
+
+    try:
+        msg = msgpack.unpackb(body)
+    except Exception as e:  # noqa: BLE001 - any undecodable body is the client's error
+        raise ValueError(f"malformed request: not msgpack ({type(e).__name__}: {e})") from e
+    try:
+        req = ScoreRequest.model_validate(msg)
+    except ValidationError as e:
+        raise ValueError(_validation_message(e)) from None
+    images = np.frombuffer(req.images, dtype=np.uint8).reshape(req.shape)
+    return torch.from_numpy(images.copy()), req.prompts
+
 
 _Item = tuple[torch.Tensor, list[str], "asyncio.Future[torch.Tensor]"]
 
