@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,10 @@ from .trajectory import Microgroup, Rollout, StepRecord
 from .vae import PIXELS_PER_TOKEN, VaeDecoder, latent_grid, pack_latents
 
 SAMPLERS = ("ode", "sde", "cps")
+
+
+class RolloutCancelled(Exception):
+    """A rollout stopped between denoising steps because its `should_stop` said so; nothing is returned."""
 
 
 @dataclass
@@ -154,11 +159,13 @@ class Engine:
     # -- rollout -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, prompts: list[str], n_per_prompt: int, params: SamplingParams, seed: int, decode: bool = True,
-                record_snapshot: bool = False, progress: bool = False) -> Rollout:
+                record_snapshot: bool = False, progress: bool = False,
+                should_stop: Callable[[], bool] | None = None) -> Rollout:
         """`n_per_prompt` samples of each prompt, microgroup by microgroup, prompt-major.
 
         `record_snapshot` keeps each step's debug data (branch outputs, SDE mean/std/noise) for
-        `snapshot.save_snapshot`; `progress` shows a tqdm bar over denoising steps on stderr.
+        `snapshot.save_snapshot`; `progress` shows a tqdm bar over denoising steps on stderr; `should_stop` is
+        called before every denoising step, and a true answer raises `RolloutCancelled` (a server's client left).
         """
         if not prompts:
             raise ValueError("rollout needs at least one prompt")
@@ -178,7 +185,7 @@ class Engine:
                     gens = [torch.Generator().manual_seed(derive_seed(seed, _NOISE_STREAM, p, k)) for k in ks]
                     mg = self._denoise(p, [p * n_per_prompt + k for k in ks], gens, (positive, negative), grid,
                                        (sigmas, timesteps), params, self._sde_steps(params, seed, p, m),
-                                       record_snapshot, bar)
+                                       record_snapshot, bar, should_stop)
                     microgroups.append(mg)
                     if decode:
                         images.append(self.vae.decode(mg.latents[-1], params.height, params.width))
@@ -207,7 +214,7 @@ class Engine:
     def _denoise(self, p: int, sample_indices: list[int], gens: list[torch.Generator],
                  text: tuple[torch.Tensor, torch.Tensor | None], grid: tuple[int, int],
                  schedule: tuple[torch.Tensor, torch.Tensor], params: SamplingParams, sde_steps: list[int],
-                 record: bool, bar: tqdm) -> Microgroup:
+                 record: bool, bar: tqdm, should_stop: Callable[[], bool] | None = None) -> Microgroup:
         """One microgroup of prompt `p` through the whole denoise loop; `gens[i]` is sample i's generator."""
         b, (sigmas, timesteps) = len(gens), schedule
         # One prompt per microgroup: every row has the same length, so both masks collapse to None.
@@ -219,6 +226,8 @@ class Engine:
         latents, guided, records = [x], [], [] if record else None
         log_probs = torch.zeros(params.steps, b, dtype=torch.float32, device=self.device)
         for i in range(params.steps):
+            if should_stop is not None and should_stop():
+                raise RolloutCancelled(f"stopped before step {i + 1} of {params.steps}")
             # The schedule's fp32 timestep; the engine model's timestep path rounds it as the pipeline does
             # (`t.to(bf16) / 1000`) under the qwen_image patch group, and keeps fp32 on the fast path.
             t = timesteps[i].expand(b)
