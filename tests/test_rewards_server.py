@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgpack
 import pytest
 
 from trueflow.http import serve_in_thread
@@ -138,25 +139,25 @@ def test_reward_serve_cli_subprocess() -> None:
 
 def _body(shape, prompts, images: bytes | None = None) -> bytes:
     """A /score body as a hostile client writes it: any field types, images of the size the shape names if unset."""
-    import msgpack
-
     if images is None:
         images = bytes(max(0, int(torch.tensor([float(s) for s in shape]).prod())))
     return msgpack.packb({"shape": shape, "images": images, "prompts": prompts})
 
 
+B288 = bytes(2 * 8 * 8 * 3)  # pixels enough for two 8x8 images
 BAD_REQUESTS = {  # what -> (body, words the 400 must contain)
     "a string as prompts": (_body([3, 8, 8, 3], "abc"), "prompts: Input should be a valid list"),
     "numbers as prompts": (_body([2, 8, 8, 3], [1, 2]), "prompts.0: Input should be a valid string"),
     "nulls as prompts": (_body([2, 8, 8, 3], [None, None]), "prompts.0: Input should be a valid string"),
-    "a negative dimension": (_body([2, -1, 8, 3], ["a", "b"], bytes(2 * 8 * 8 * 3)), "shape.1: Input should be greater than 0"),
-    "a fractional dimension": (_body([2.9, 8, 8, 3], ["a", "b"], bytes(2 * 8 * 8 * 3)), "shape.0: Input should be a valid integer"),
+    "a negative dimension": (_body([2, -1, 8, 3], ["a", "b"], B288), "shape.1: Input should be greater than 0"),
+    "a fractional dimension": (_body([2.9, 8, 8, 3], ["a", "b"], B288), "shape.0: Input should be a valid integer"),
     "an empty image": (_body([1, 0, 8, 3], ["a"]), "shape.1: Input should be greater than 0"),
-    "bytes that do not fill the shape": (_body([1, 8, 8, 3], ["a"], bytes(10)), "images: 10 bytes, the shape [1, 8, 8, 3] needs 192"),
+    "bytes that do not fill the shape": (_body([1, 8, 8, 3], ["a"], bytes(10)),
+                                         "images: 10 bytes, the shape [1, 8, 8, 3] needs 192"),
     "a count that is not the prompts'": (_body([2, 8, 8, 3], ["a"]), "shape [2, 8, 8, 3] holds 2 images for 1 prompts"),
     "four channels": (_body([1, 8, 8, 4], ["a"]), "shape [1, 8, 8, 4]: images must have 3 channels (RGB), got 4"),
-    "a missing field": (__import__("msgpack").packb({"shape": [1, 8, 8, 3], "images": bytes(192)}), "prompts: Field required"),
-    "not a map": (__import__("msgpack").packb([1, 2]), "Input should be a valid dictionary"),
+    "a missing field": (msgpack.packb({"shape": [1, 8, 8, 3], "images": bytes(192)}), "prompts: Field required"),
+    "not a map": (msgpack.packb([1, 2]), "Input should be a valid dictionary"),
 }
 
 
