@@ -144,7 +144,7 @@ class Trainer:
             if cfg.kl_beta:
                 with torch.no_grad(), _adapters_disabled(self.model):
                     _, ref_mean, _ = self._log_prob(b, self._guided(b))
-                kl = kl_penalty(mean, ref_mean, std, b.sigma_next - b.sigma).mean()
+                kl = kl_penalty(mean, ref_mean, std, b.sigma_next - b.sigma, cfg.sampler).mean()
                 loss = loss + cfg.kl_beta * kl
             (loss / len(batches)).backward()
             with torch.no_grad():
