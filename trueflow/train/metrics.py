@@ -1,19 +1,60 @@
-"""Per-step metrics: one JSON line per optimizer step in metrics.jsonl (flushed as written), optional TensorBoard."""
+"""Per-step metrics: one JSON line per optimizer step in metrics.jsonl (flushed as written), optional TensorBoard
+and Weights & Biases."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync")  # vary run to run
 
 
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where a run logs to Weights & Biases. The mode (online, offline) is W&B's own: WANDB_MODE=offline keeps
+    everything on disk under `dir`/wandb for a later `wandb sync`."""
+
+    project: str = "trueflow"
+    name: str | None = None  # W&B picks one when None
+    dir: Path | None = None  # the run folder, so the W&B files live beside metrics.jsonl
+    config: dict | None = None  # the training config, shown with the run
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, ±inf) replaced by None: JSON has no NaN, and a bare NaN in
+    metrics.jsonl breaks every strict reader (jq, JavaScript, pandas with a strict parser)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """The finite numbers of a record (bools as 0/1): what TensorBoard and W&B chart."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def require_wandb() -> None:
+    """Fail early, with the fix, when `--wandb` is asked for without the package."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ImportError("--wandb needs the wandb package: pip install 'trueflow[wandb]'") from None
+
+
 class MetricsWriter:
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, keep_lines: int | None = None):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, keep_lines: int | None = None,
+                 wandb: WandbSettings | None = None):
         """`keep_lines`: on resume, the lines up to the checkpoint are kept and any written after it (by the run
-        that was killed) are dropped, so the resumed file equals an uninterrupted run's."""
+        that was killed) are dropped, so the resumed file equals an uninterrupted run's. `wandb`: also log each
+        record's numbers to a W&B run (a new W&B run per process, also on resume)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         lines = path.read_text().splitlines(keepends=True) if path.exists() else []
@@ -27,18 +68,41 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(tensorboard_dir))
+        self.wandb_run = None
+        if wandb is not None:
+            require_wandb()
+            import wandb as wandb_lib
+
+            if wandb.dir is not None:
+                Path(wandb.dir).mkdir(parents=True, exist_ok=True)
+            self.wandb_run = wandb_lib.init(project=wandb.project, name=wandb.name,
+                                            dir=str(wandb.dir) if wandb.dir is not None else None,
+                                            config=strict_json(wandb.config))
 
     def write(self, record: dict) -> None:
+        # allow_nan=False: a non-finite value that strict_json missed raises here instead of corrupting the file.
+        line = json.dumps(strict_json(record), allow_nan=False)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
         self.lines += 1
+        scalars = _scalars(record)
         if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
             self.tb.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        """Finish the W&B run and close TensorBoard (metrics.jsonl is complete after every write)."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
 
 def read_metrics(path: Path) -> list[dict]:
