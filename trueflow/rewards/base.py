@@ -2,8 +2,9 @@
 
 A spec is a registered name (`redness`), a weighted sum (`pickscore:1.0,ocr:0.5`), a custom reward
 (`my.module:function`, optionally weighted: `my.module:function:0.5`) or a reward server's URL
-(`http://127.0.0.1:8000`, see `trueflow reward-serve`). `score` is what a trainer calls: it checks the output and
-turns any failure into a `RewardError` naming the reward and the prompt, or drops that prompt's group.
+(`http://127.0.0.1:8000`, see `trueflow reward-serve`). A model path is one path for every term that takes a
+model, or one per term (`pickscore=DIR,aesthetic=DIR2`); a `url` goes to the terms that take one (`vlm_judge`).
+`score` is what a trainer calls: it checks the output and turns any failure into a `RewardError` naming the reward and the prompt, or drops that prompt's group.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .aesthetic import Aesthetic
+from .clip_score import ClipScore
 from .jpeg import JpegSize
 from .ocr import OcrReward
 from .pickscore import PickScore
@@ -39,7 +42,7 @@ class Reward(Protocol):
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
 
 
-# A factory is called with whichever of `model_path` and `device` it names, and returns a Reward.
+# A factory is called with whichever of `model_path`, `device` and `url` it names, and returns a Reward.
 RewardFactory = Callable[..., Reward]
 
 REWARDS: dict[str, RewardFactory] = {
@@ -49,8 +52,10 @@ REWARDS: dict[str, RewardFactory] = {
     "pickscore": PickScore,
     "pickscore_flowgrpo": functools.partial(PickScore, normalize=True),
     "ocr": OcrReward,
+    "clip_score": ClipScore,
+    "aesthetic": Aesthetic,
 }
-_FACTORY_ARGS = ("model_path", "device")
+_FACTORY_ARGS = ("model_path", "device", "url")
 
 
 class RewardError(RuntimeError):
@@ -99,7 +104,7 @@ class WeightedSum:
 
 
 def _takes_factory_args(obj: Any) -> bool:
-    """A class, or a callable whose parameters are all `model_path`/`device`, is a factory; else it is the reward."""
+    """A class, or a callable whose parameters are all `model_path`/`device`/`url`, is a factory; else the reward."""
     if inspect.isclass(obj):
         return True
     try:
@@ -109,16 +114,17 @@ def _takes_factory_args(obj: Any) -> bool:
     return all(p.name in _FACTORY_ARGS or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _call_factory(factory: Callable[..., Any], model_path: str | None, device: str) -> tuple[Any, bool]:
-    """Calls `factory` with the arguments it names; also says whether it took `model_path`."""
+def _call_factory(factory: Callable[..., Any], model_path: str | None, device: str,
+                  url: str | None) -> tuple[Any, set[str]]:
+    """Calls `factory` with the arguments it names; also says which of `model_path` and `url` it took."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
     any_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    given = {"model_path": model_path, "device": device}
+    given = {"model_path": model_path, "device": device, "url": url}
     kwargs = {k: v for k, v in given.items() if any_kw or k in params}
-    return factory(**kwargs), "model_path" in kwargs
+    return factory(**kwargs), {"model_path", "url"} & kwargs.keys()
 
 
 def _custom(target: str) -> Callable[..., Any]:
@@ -162,34 +168,61 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def build_reward(spec: str, model_path: str | None = None, device: str = "cpu") -> Reward:
+def _per_term_paths(model_path: str | None, targets: Sequence[str]) -> dict[str, str] | None:
+    """'name=PATH,name2=PATH2' (each name a term of the spec) -> {name: PATH}; a plain path -> None."""
+    if model_path is None or model_path.partition("=")[0].strip() not in targets:
+        return None
+    paths: dict[str, str] = {}
+    for item in model_path.split(","):
+        name, eq, path = (x.strip() for x in item.partition("="))
+        if not eq or name not in targets or not path or name in paths:
+            raise ValueError(f"model path {model_path!r}: {item!r} is not 'NAME=PATH' for a distinct term of "
+                             f"the spec (terms: {', '.join(targets)})")
+        paths[name] = path
+    return paths
+
+
+def build_reward(spec: str, model_path: str | None = None, device: str = "cpu", url: str | None = None) -> Reward:
     """A Reward from a spec (module docstring). `model_path` goes to every term that takes a model (PickScore:
-    `MODEL_DIR` or `MODEL_DIR:PROCESSOR_DIR`); it is an error if no term takes it."""
-    terms: list[tuple[Reward, float]] = []
-    used_model = False
+    `MODEL_DIR` or `MODEL_DIR:PROCESSOR_DIR`), or per term as 'name=PATH,name2=PATH2'; `url` to every term that
+    takes one (`vlm_judge`). It is an error if no term takes a path or URL that was given."""
+    split = []
     for term in (t.strip() for t in spec.split(",")):
         if not term:
             raise ValueError(f"reward spec {spec!r} has an empty term")
-        target, weight = _split_term(term)
+        split.append(_split_term(term))
+    per_term = _per_term_paths(model_path, [target for target, _ in split])
+    terms: list[tuple[Reward, float]] = []
+    took_path: set[str] = set()  # the targets given a model path
+    took_url = False
+    for target, weight in split:
+        path = per_term.get(target) if per_term is not None else model_path
+        took: set[str] = set()
         if _URL.match(target):
             from .remote import RemoteReward
 
             reward: Any = RemoteReward(target)
         elif target in REWARDS:
-            reward, took = _call_factory(REWARDS[target], model_path, device)
-            used_model |= took
+            reward, took = _call_factory(REWARDS[target], path, device, url)
         elif ":" in target:
             obj = _custom(target)
             if _takes_factory_args(obj):
-                obj, took = _call_factory(obj, model_path, device)
-                used_model |= took
+                obj, took = _call_factory(obj, path, device, url)
             reward = obj if isinstance(getattr(obj, "name", None), str) else _Named(obj, target)
         else:
             raise ValueError(f"unknown reward {target!r}; registered: {', '.join(REWARDS)}; or give "
                              "'my.module:function' or a reward server URL")
+        if "model_path" in took and path is not None:
+            took_path.add(target)
+        took_url |= "url" in took
         terms.append((reward, weight))
-    if model_path is not None and not used_model:
+    unused = sorted(set(per_term or ()) - took_path)
+    if unused:
+        raise ValueError(f"a model path was given for {', '.join(unused)}, which takes no model")
+    if model_path is not None and not took_path:
         raise ValueError(f"a model path was given but no reward of {spec!r} takes a model")
+    if url is not None and not took_url:
+        raise ValueError(f"a URL was given but no reward of {spec!r} takes one (vlm_judge does)")
     if len(terms) == 1 and terms[0][1] == 1.0:
         return terms[0][0]
     return WeightedSum(terms)

@@ -46,3 +46,19 @@ def init_tiny_clip(out: str | Path, seed: int = 0, image_size: int = 32) -> Path
                                             crop_size={"height": image_size, "width": image_size})
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out)
     return out
+
+
+def init_tiny_aesthetic(out: str | Path, seed: int = 0, image_size: int = 32) -> Path:
+    """A tiny CLIP folder (as `init_tiny_clip`) holding a random LAION aesthetic head as the released file
+    `sac+logos+ava1-l14-linearMSE.pth` lays it out: the state dict of its `layers` Sequential, input = CLIP's
+    projection size (768 for the real ViT-L/14, 16 here)."""
+    out = init_tiny_clip(out, seed, image_size)
+    sizes = [(16, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]  # (in, out) of layers 0, 2, 4, 6, 7
+    generator = torch.Generator().manual_seed(seed + 1)
+    state = {}
+    for index, (n_in, n_out) in zip((0, 2, 4, 6, 7), sizes):
+        bound = n_in ** -0.5  # nn.Linear's default init range
+        state[f"layers.{index}.weight"] = (torch.rand(n_out, n_in, generator=generator) * 2 - 1) * bound
+        state[f"layers.{index}.bias"] = (torch.rand(n_out, generator=generator) * 2 - 1) * bound
+    torch.save(state, out / "sac+logos+ava1-l14-linearMSE.pth")
+    return out
