@@ -1,13 +1,33 @@
-"""What a person looks at after a run: sample grids, a reward curve, and summary.md with parity per step."""
+"""What a person looks at after a run: sample grids, reward / parity / timing plots (PNG, matplotlib), and
+summary.md with the plots and parity per step."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from PIL import Image
 
 from .metrics import read_metrics
+
+REWARD_PNG, PARITY_PNG, TIMING_PNG = "reward_curve.png", "parity_diff.png", "timing.png"
+
+# (metrics key, legend label with the unit): the train-vs-rollout differences of one optimizer step.
+PARITY_SERIES = (
+    ("model_output_max_abs_diff", "model output (guided velocity, latent units)"),
+    ("log_prob_max_abs_diff", "log-prob (nats)"),
+    ("ratio_max_abs_dev_from_1", "|ratio - 1| (unitless)"),
+)
+TIMING_SERIES = (
+    ("time_rollout", "rollout (per rollout)"),
+    ("time_reward", "reward (per rollout)"),
+    ("time_train", "train step"),
+    ("time_sync", "LoRA sync"),
+)
 
 
 def write_sample_grid(rollout, path: Path) -> Path:
@@ -21,39 +41,132 @@ def write_sample_grid(rollout, path: Path) -> Path:
     return path
 
 
-def _plot(values: list[float], path: Path, title: str, size=(480, 240), margin=30) -> None:
-    """A line plot with PIL (no plotting dependency)."""
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    lo, hi = min(values), max(values)
-    span = (hi - lo) or 1.0
-    xs = [margin + i * (size[0] - 2 * margin) / max(len(values) - 1, 1) for i in range(len(values))]
-    ys = [size[1] - margin - (v - lo) / span * (size[1] - 2 * margin) for v in values]
-    d.rectangle([margin, margin, size[0] - margin, size[1] - margin], outline="gray")
-    d.line(list(zip(xs, ys)), fill="blue", width=2)
-    d.text((margin, 8), f"{title}: {lo:.4g} .. {hi:.4g} over {len(values)} steps", fill="black")
-    img.save(path)
+def _column(rows: list[dict], key: str) -> np.ndarray:
+    """One metric over the steps as floats, NaN where the record has null (a non-finite value) or lacks it."""
+    return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
 
 
-def write_summary(out: Path, cfg) -> Path:
-    rows = read_metrics(out / "metrics.jsonl")
-    if rows:
-        _plot([r["reward_mean"] for r in rows], out / "reward_curve.png", "reward_mean")
+def _figure(title: str, ylabel: str) -> tuple[Figure, Axes]:
+    # Figure + Agg canvas, not pyplot: no global figure state, no GUI backend, safe off the main thread.
+    fig = Figure(figsize=(7.5, 4.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _legend(fig: Figure) -> Figure:
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8)  # below the axes: never over the data
+    return fig
+
+
+def reward_figure(rows: list[dict], reward_name: str = "reward") -> Figure:
+    """Mean reward per optimizer step with a ±1 std band; steps without any reward (every group skipped after a
+    reward failure: null in metrics.jsonl) are marked on the x axis instead of silently left out."""
+    steps, mean, std = _column(rows, "step"), _column(rows, "reward_mean"), _column(rows, "reward_std")
+    fig, ax = _figure(f"Reward ({reward_name}) per optimizer step", "reward (score of the reward function)")
+    ax.plot(steps, mean, "o-", ms=3, color="tab:blue", label="mean over the rollout's scored samples")
+    band = np.isfinite(mean) & np.isfinite(std)
+    if band.any():
+        ax.fill_between(steps, mean - std, mean + std, where=band, color="tab:blue", alpha=0.2, label="± 1 std")
+    missing = ~np.isfinite(mean)
+    if missing.any():
+        ax.plot(steps[missing], np.zeros(missing.sum()), "x", color="tab:red", ms=8, mew=2,
+                transform=ax.get_xaxis_transform(), clip_on=False, label="no reward (all samples skipped)")
+    return _legend(fig)
+
+
+def parity_figure(rows: list[dict]) -> Figure:
+    """The train-vs-rollout differences per step on a symlog axis: exact 0.0 (the bitwise case, which a log axis
+    cannot show) sits on the 0 line with its own hollow marker, and positive values are logarithmic above it."""
+    steps = _column(rows, "step")
+    series = [(_column(rows, key), label) for key, label in PARITY_SERIES]
+    values = np.concatenate([v for v, _ in series])
+    positive = values[np.isfinite(values) & (values > 0)]
+    exact = int(np.sum(series[0][0] == 0))
+    if positive.size:
+        title = f"Train vs rollout: max |difference| per step ({exact} of {len(rows)} steps bitwise)"
+        ylabel = "max |train - rollout| (symlog; 0 = bitwise)"
+    else:
+        title = f"Train vs rollout: exactly 0.0 (bitwise) at all {len(rows)} steps"
+        ylabel = "max |train - rollout|"
+    fig, ax = _figure(title, ylabel)
+    if positive.size:
+        # Linear only below the smallest difference seen, so every non-zero value is on the log part of the axis.
+        linthresh = 10.0 ** np.floor(np.log10(positive.min()))
+        ax.set_yscale("symlog", linthresh=linthresh, linscale=0.5)
+        ax.set_ylim(-linthresh * 0.5, positive.max() * 10)
+    else:  # nothing but zeros: a plain axis with the one value there is
+        ax.set_ylim(-1, 1)
+        ax.set_yticks([0], ["0.0"])
+    for i, (v, label) in enumerate(series):
+        color = f"C{i}"
+        ax.plot(steps, v, "o-", ms=3, color=color, label=label)
+        zeros = v == 0
+        if zeros.any():  # concentric rings, so zeros of all three series stay visible
+            ax.plot(steps[zeros], v[zeros], "o", ms=11 - 3 * i, mfc="none", mew=1.5, color=color)
+    ax.plot([], [], "o", ms=8, mfc="none", color="gray", label="ring: exactly 0.0 (bitwise)")
+    ax.axhline(0.0, color="black", lw=0.8)
+    return _legend(fig)
+
+
+def timing_figure(rows: list[dict]) -> Figure:
+    """Wall-clock seconds per step, by phase. A rollout's times repeat on each of its optimizer steps."""
+    steps = _column(rows, "step")
+    fig, ax = _figure("Wall-clock time per optimizer step", "time (s)")
+    for key, label in TIMING_SERIES:
+        v = _column(rows, key)
+        if np.isfinite(v).any():
+            ax.plot(steps, v, "o-", ms=3, label=label)
+    ax.set_ylim(bottom=0)
+    return _legend(fig)
+
+
+def write_plots(rows: list[dict], out: Path, reward_name: str = "reward") -> list[Path]:
+    """reward_curve.png, parity_diff.png and timing.png in `out`, from the metrics records."""
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {REWARD_PNG: reward_figure(rows, reward_name), PARITY_PNG: parity_figure(rows),
+               TIMING_PNG: timing_figure(rows)}
+    for name, fig in figures.items():
+        fig.savefig(out / name)
+    return [out / name for name in figures]
+
+
+def _fmt(value, spec: str) -> str:
+    """A table cell; null (non-finite in the run) reads as a dash."""
+    return "-" if value is None else format(value, spec)
+
+
+def write_summary(out: Path, cfg, rows: list[dict] | None = None) -> Path:
+    """summary.md for the run in `out`, its plots beside it as PNGs. `rows`: the metrics records (read from
+    out/metrics.jsonl when None)."""
+    rows = read_metrics(out / "metrics.jsonl") if rows is None else rows
     bitwise = all(r["model_output_max_abs_diff"] == 0.0 for r in rows)
     lines = [
         f"# Training run `{out}`", "",
         f"- checkpoint: `{cfg.checkpoint}`; reward `{cfg.reward}`; patch group `{cfg.rollout_patch_group}`",
         f"- {len(rows)} optimizer steps over {cfg.num_rollouts} rollouts; parity "
         + ("**exactly 0.0 at every step**" if bitwise else "**not bitwise at every step** (see the table)"),
-        "", "![reward](reward_curve.png)", "",
-        "| step | rollout | reward mean | reward std | model output max diff | log-prob max diff | ratio mean "
+    ]
+    if rows:
+        write_plots(rows, out, cfg.reward)
+        lines += ["", f"![reward per optimizer step]({REWARD_PNG})", "",
+                  f"![train vs rollout difference per optimizer step]({PARITY_PNG})", "",
+                  f"![wall-clock time per optimizer step]({TIMING_PNG})"]
+    lines += [
+        "", "| step | rollout | reward mean | reward std | model output max diff | log-prob max diff | ratio mean "
         "| ratio max dev | lora update norm | checksums equal |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['step']} | {r['rollout']} | {r['reward_mean']:.5f} | {r['reward_std']:.5f} | "
-                     f"{r['model_output_max_abs_diff']:.3g} | {r['log_prob_max_abs_diff']:.3g} | "
-                     f"{r['ratio_mean']:.9f} | {r['ratio_max_abs_dev_from_1']:.3g} | {r['lora_update_norm']:.3g} | "
+        lines.append(f"| {r['step']} | {r['rollout']} | {_fmt(r['reward_mean'], '.5f')} | "
+                     f"{_fmt(r['reward_std'], '.5f')} | {_fmt(r['model_output_max_abs_diff'], '.3g')} | "
+                     f"{_fmt(r['log_prob_max_abs_diff'], '.3g')} | {_fmt(r['ratio_mean'], '.9f')} | "
+                     f"{_fmt(r['ratio_max_abs_dev_from_1'], '.3g')} | {_fmt(r['lora_update_norm'], '.3g')} | "
                      f"{r['checksums_equal']} |")
     samples = sorted((out / "samples").glob("*.png")) if (out / "samples").is_dir() else []
     if samples:
