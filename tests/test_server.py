@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from conftest import BF16, TEST_THREADS, TRUEFLOW_EXE, assert_bitwise, assert_differs, randn
 from trueflow.engine import wire
 from trueflow.engine.engine import Engine, SamplingParams
-from trueflow.engine.server import ServerError, create_app, push_lora, push_weights, remote_rollout
+from trueflow.engine.server import Limits, ServerError, create_app, push_lora, push_weights, remote_rollout
 from trueflow.engine.trajectory import Microgroup, Rollout, StepRecord
 from trueflow.http import MSGPACK, serve_in_thread
 from trueflow.loading import read_transformer_state_dict
@@ -48,14 +48,14 @@ def reference(tiny_checkpoint) -> Engine:
 @pytest.fixture(scope="module")
 def url(tiny_checkpoint):
     """A server whose weights no test changes."""
-    with serve_in_thread(create_app(Engine(tiny_checkpoint), max_batch=8)) as url:
+    with serve_in_thread(create_app(Engine(tiny_checkpoint), Limits(max_samples=8))) as url:
         yield url
 
 
 @pytest.fixture
-def fresh_url(tiny_checkpoint):
-    """A server of its own, for tests that update weights."""
-    with serve_in_thread(create_app(Engine(tiny_checkpoint))) as url:
+def fresh_url(tiny_checkpoint, tmp_path_factory):
+    """A server of its own, for tests that update weights; path updates may read the session's temp folders."""
+    with serve_in_thread(create_app(Engine(tiny_checkpoint), weights_root=tmp_path_factory.getbasetemp())) as url:
         yield url
 
 
@@ -112,7 +112,10 @@ def test_health(url, tiny_checkpoint):
     health = httpx.get(f"{url}/health").json()
     assert health == {"status": "ok", "checkpoint": str(tiny_checkpoint), "patch_group": "none",
                       "disabled_patches": [], "patches_applied": [], "dtype": "bfloat16", "device": "cpu",
-                      "threads": TEST_THREADS, "max_batch": 8, "queue_depth": 0}
+                      "threads": TEST_THREADS, "busy": False, "queue_depth": 0, "running_for_s": None,
+                      "limits": {"max_steps": 100, "max_pixels": 2048 * 2048, "max_frames": 1,
+                                 "max_prompt_tokens": 1024, "max_samples": 8, "max_queue": 16,
+                                 "request_timeout": 600.0}}
 
 
 def test_rollout_round_trip_is_bitwise(url, reference):
@@ -179,7 +182,7 @@ GOOD = {"prompts": ["a cat"], "n_per_prompt": 1, "seed": 0, "steps": 2, "height"
     ("/v1/images/generations", {"prompt": "a", "response_format": "url"}, 400, "b64_json"),
     ("/v1/images/generations", {"prompt": "a", "n": -1}, 400, "positive multiple"),
     ("/v1/images/generations", {"prompt": "a", "quality": "hd"}, 400, "unknown field.*'quality'"),
-    ("/weights/lora", {"path": "/nonexistent/lora.safetensors", "scale": 1.0}, 400, "cannot read weights from"),
+    ("/weights/lora", {"path": "/nonexistent/lora.safetensors", "scale": 1.0}, 403, "off on this server.*--weights-root"),
     ("/weights/lora", {"path": "/nonexistent/lora.safetensors"}, 400, "missing field.*'scale'"),
     ("/weights/full", b"garbage", 415, "content-type must be"),
     ("/nowhere", b"", 404, "Not Found"),
@@ -193,7 +196,11 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(url, path, body, 
         r = httpx.post(f"{url}{path}", json=body)
     assert r.status_code == status, r.text
     assert list(r.json()) == ["error"]
-    assert re.search(match, r.json()["error"]), r.json()["error"]
+    error = r.json()["error"]
+    if path.startswith("/v1/"):  # OpenAI's error object, which its SDKs show
+        assert list(error) == ["message", "type", "param", "code"] and error["type"] == "invalid_request_error"
+        error = error["message"]
+    assert re.search(match, error), error
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
@@ -332,7 +339,7 @@ def serve_subprocess(checkpoint):
 def test_serve_cli_weight_updates_across_processes(tiny_checkpoint, reference):
     with serve_subprocess(tiny_checkpoint) as url:
         health = httpx.get(f"{url}/health").json()
-        assert (health["threads"], health["max_batch"], health["patch_group"]) == (TEST_THREADS, 4, "none")
+        assert (health["threads"], health["limits"]["max_samples"], health["patch_group"]) == (TEST_THREADS, 4, "none")
         base = checksums(url)
         assert base == {"weights": reference.weights_checksum(), "lora": NO_LORA}
         lora = make_lora(0)

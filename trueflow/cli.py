@@ -216,22 +216,41 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; IPC weight updates are "
                    "taken from loopback clients only)")
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001; reward-serve's is 8000)")
-    p.add_argument("--max-batch", type=int, default=64,
-                   help="most samples (prompts x n) one generation request may ask for (default: 64)")
     p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads of the engine; on CPU match the "
-                   "trainer's for bitwise parity (DESIGN 3, condition 9) (default: torch's default)")
+                   "trainer's for bitwise parity (default: torch's default)")
+    p.add_argument("--weights-root", default=None, metavar="DIR", help="folder whose safetensors files and "
+                   "checkpoints weight updates may name by path (default: none; path updates are refused)")
+    # The defaults are `engine.server.Limits`' (a test keeps them equal; importing it here would load torch).
+    for flags, dest, kind, default, what in [
+            (("--max-steps",), "max_steps", int, 100, "most denoising steps per sample"),
+            (("--max-pixels",), "max_pixels", int, 2048 * 2048, "most pixels (height x width) of one image frame"),
+            (("--max-frames",), "max_frames", int, 1, "most frames per sample (image families make 1)"),
+            (("--max-prompt-tokens",), "max_prompt_tokens", int, 1024, "most tokens of a prompt or negative prompt"),
+            (("--max-samples", "--max-batch"), "max_samples", int, 64, "most samples (prompts x n) per request"),
+            (("--max-queue",), "max_queue", int, 16, "most generation requests waiting for the engine (more: 503)"),
+            (("--request-timeout",), "request_timeout", float, 600.0,
+             "seconds a generation request may take, queue included, before its rollout stops (504)")]:
+        p.add_argument(*flags, dest=dest, type=kind, default=default, metavar="N" if kind is int else "SECONDS",
+                       help=f"{what} (default: {default})")
 
 
 def _run_serve(a: argparse.Namespace) -> int:
+    import os
+
     import torch
 
-    from .engine.server import serve
+    from .engine.server import Limits, serve
 
+    limits = Limits(a.max_steps, a.max_pixels, a.max_frames, a.max_prompt_tokens, a.max_samples, a.max_queue,
+                    a.request_timeout)  # checked before the engine loads
+    if a.weights_root is not None and not os.path.isdir(a.weights_root):
+        raise FileNotFoundError(f"--weights-root {a.weights_root}: no such folder")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     # --seed: the seed of OpenAI-style requests that name none (rollout requests always carry their own)
     serve(a.checkpoint, host=a.host, port=a.port, patch_group=a.patch_group, disabled_patches=tuple(a.disable_patch),
-          device=a.device, dtype=torch_dtype(a.dtype), max_batch=a.max_batch, default_seed=a.seed)
+          device=a.device, dtype=torch_dtype(a.dtype), limits=limits, default_seed=a.seed,
+          weights_root=a.weights_root)
     return 0
 
 

@@ -3,10 +3,13 @@
 Every engine call (a rollout, a weight update, a checksum) runs on one worker thread, in arrival order: the engine
 is not thread-safe, and an update queued behind a rollout lands after that rollout's last step, never inside it.
 Requests are not merged across clients. A microgroup is one batch through the denoise loop; running two requests'
-microgroups as one larger batch changes the GEMMs' batch size, which changes bf16 bits on GPU (DESIGN 3: batch 4
-vs 4 x batch 1 differs by 7.8e-3), and concatenating their prompts into one rollout renumbers the prompts, which
-changes their noise streams. So each request runs alone, exactly as `Engine.rollout` with its arguments: its
+microgroups as one larger batch changes the GEMMs' batch size, which changes bf16 bits on GPU (batch 4 vs 4 x
+batch 1 differed by 7.8e-3 on an H200), and concatenating their prompts into one rollout renumbers the prompts,
+which changes their noise streams. So each request runs alone, exactly as `Engine.rollout` with its arguments: its
 result is bitwise the same however busy the server is. Parsing, encoding and weight validation run off the worker.
+
+Every request's work is bounded before it reaches the worker (`Limits`), and a running rollout stops at its next
+denoising step when its client leaves, its time is up, or the server shuts down.
 """
 
 from __future__ import annotations
@@ -16,121 +19,379 @@ import base64
 import io
 import ipaddress
 import json
+import logging
+import math
+import queue
 import re
-import sys
+import threading
 import time
 import types
 import typing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import httpx
 import msgpack
 import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file
 from starlette.exceptions import HTTPException
 
 from ..http import MSGPACK
-from ..loading import read_transformer_state_dict
+from ..loading import read_transformer_state_dict, transformer_dir
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, pack, unpack
 from . import wire
-from .engine import Engine, SamplingParams
+from .engine import Engine, RolloutCancelled, SamplingParams
+from .prompts import TOKENIZER_MAX_LENGTH
 from .trajectory import Rollout
 
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
-    """A request the server refuses: answered with `status` and JSON {"error": message}; the server keeps serving."""
+    """A request the server refuses: answered with `status` and the error body of its route (docs/server.md,
+    "Errors"); `param` names the request field at fault, `code` is a short machine-readable reason. The server
+    keeps serving."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.code = status, param, code
+
+
+# -- limits ----------------------------------------------------------------------------------------------------
+PROMPT_CHARS_PER_TOKEN = 32  # a prompt longer than this many characters per allowed token is refused untokenized
+WEIGHT_JSON_BYTES = 64 << 10  # a path update's JSON body
+IPC_PAYLOAD_BYTES = 64 << 20  # a pickled bucket list: handles and manifests, never tensor data
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server, each a `trueflow serve` flag (docs/server.md, "Limits").
+
+    The defaults fit Qwen-Image: its pipeline's largest sizes are about 1.8 megapixels (1328x1328) and its text
+    window is `TOKENIZER_MAX_LENGTH` tokens (longer prompts would be cut), it makes images (one frame), and a
+    request may ask for one GRPO group of samples."""
+
+    max_steps: int = 100  # denoising steps per sample (the pipeline's default is 50)
+    max_pixels: int = 2048 * 2048  # height x width of one frame
+    max_frames: int = 1  # frames per sample; image families make one
+    max_prompt_tokens: int = TOKENIZER_MAX_LENGTH  # tokens of each prompt and of the negative prompt
+    max_samples: int = 64  # prompts x n_per_prompt of one request
+    max_queue: int = 16  # generation requests waiting behind the running engine call
+    request_timeout: float = 600.0  # seconds from a generation request's arrival to its answer
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v, least = getattr(self, f.name), 0 if f.name == "max_queue" else 1
+            if f.name == "request_timeout" and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"--request-timeout must be a positive number of seconds, got {v}")
+            if f.name != "request_timeout" and not (isinstance(v, int) and v >= least):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be an integer >= {least}, got {v}")
+        if self.max_prompt_tokens > TOKENIZER_MAX_LENGTH:
+            raise ValueError(f"--max-prompt-tokens must be at most {TOKENIZER_MAX_LENGTH} (the text encoder's window: "
+                             f"the pipeline cuts longer prompts), got {self.max_prompt_tokens}")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
+
+    @property
+    def generation_body_bytes(self) -> int:
+        """The largest generation body that can hold a valid request: every prompt and the negative prompt at
+        the character bound, at 12 bytes a character (a JSON surrogate pair), plus room for the other fields."""
+        return (self.max_samples + 1) * self.max_prompt_chars * 12 + (64 << 10)
+
+    def check(self, samples: int, params: SamplingParams, prompts: list[str], frames: int = 1) -> None:
+        """Refuse a request past a bound, naming the field and the flag (tokens are counted later, off the loop)."""
+        for value, bound, what, param, flag in [
+                (samples, self.max_samples, "samples (prompts x n)", "n_per_prompt", "--max-samples"),
+                (params.steps, self.max_steps, "denoising steps", "steps", "--max-steps"),
+                (params.height * params.width, self.max_pixels,
+                 f"pixels per frame ({params.width}x{params.height})", "width", "--max-pixels"),
+                (frames, self.max_frames, "frames", "frames", "--max-frames")]:
+            if value > bound:
+                raise RequestError(f"the request asks for {value} {what}; this server takes at most {bound} "
+                                   f"({flag})", param=param, code="limit_exceeded")
+        for name, text in [*(("prompts", p) for p in prompts), ("negative_prompt", params.negative_prompt)]:
+            if len(text) > self.max_prompt_chars:
+                raise RequestError(f"a prompt of {len(text)} characters is too long: this server takes prompts of "
+                                   f"at most {self.max_prompt_tokens} tokens (--max-prompt-tokens) and refuses any "
+                                   f"longer than {self.max_prompt_chars} characters before tokenizing",
+                                   param=name, code="limit_exceeded")
+
+
+class _TokenCounter:
+    """Tokens of prompts, by a tokenizer of the server's own (the engine's is used by its thread)."""
+
+    def __init__(self, engine: Engine):
+        self._tokenizer = type(engine.tokenizer).from_pretrained(Path(engine.checkpoint) / "tokenizer")
+        self._lock = threading.Lock()
+
+    def check(self, limits: Limits, prompts: list[str], negative_prompt: str) -> None:
+        with self._lock:
+            counts = [len(ids) for ids in self._tokenizer([*prompts, negative_prompt],
+                                                           add_special_tokens=False)["input_ids"]]
+        for i, n in enumerate(counts):
+            if n > limits.max_prompt_tokens:
+                raise RequestError(f"{'the negative prompt' if i == len(prompts) else f'prompt {i}'} is {n} tokens; "
+                                   f"this server takes at most {limits.max_prompt_tokens} (--max-prompt-tokens)",
+                                   param="negative_prompt" if i == len(prompts) else "prompts", code="limit_exceeded")
+
+
+# -- the worker ------------------------------------------------------------------------------------------------
+STUCK_GRACE_S = 30.0  # past its timeout, a running call has this long (or its timeout, if shorter) to stop
+_POLL_S = 0.2  # how often a waiting request looks for its client's disconnect
+
+
+class _Job(Generic[_T]):
+    """One engine call: `fn(should_stop)`, its deadline, and why it was stopped (None: it was not)."""
+
+    def __init__(self, fn: Callable[[Callable[[], bool]], _T], deadline: float | None):
+        self.fn, self.deadline = fn, deadline
+        self.future: Future[_T] = Future()
+        self.started: float | None = None
+        self.stop_reason: str | None = None
+
+    def stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def should_stop(self) -> bool:
+        if self.stop_reason is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.stop_reason = "timeout"
+        return self.stop_reason is not None
 
 
 class Worker:
-    """Runs engine calls one at a time, in arrival order, on one thread."""
+    """Runs engine calls one at a time, in arrival order, on one daemon thread: a call stuck in the engine
+    cannot keep the process from exiting."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self.depth = 0  # calls waiting or running
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.jobs: list[_Job] = []  # waiting or running, in arrival order
+        self.running: _Job | None = None
+        self.closed = False
+        threading.Thread(target=self._loop, daemon=True, name="engine").start()
 
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        self.depth += 1
+    @property
+    def depth(self) -> int:
+        """Engine calls waiting or running."""
+        return len(self.jobs)
+
+    def submit(self, fn: Callable[[Callable[[], bool]], _T], deadline: float | None = None,
+               max_waiting: int | None = None) -> _Job[_T]:
+        """Queue `fn`; with `max_waiting`, refuse it (503) when that many calls already wait."""
+        with self._lock:
+            if self.closed:
+                raise RequestError("the server is shutting down", 503, code="shutting_down")
+            waiting = sum(j.started is None for j in self.jobs)
+            if max_waiting is not None and waiting >= max_waiting:
+                raise RequestError(f"the server is busy: {waiting} requests already wait for the engine, the most it "
+                                   f"queues (--max-queue); retry later", 503, code="queue_full")
+            job = _Job(fn, deadline)
+            self.jobs.append(job)
+        self._queue.put(job)
+        return job
+
+    def close(self) -> None:
+        """Take no more work and stop every queued or running call at its next step. Takes no lock: it runs in
+        a signal handler, which may interrupt `submit` on the same thread."""
+        self.closed = True
+        for job in list(self.jobs):
+            job.stop("shutdown")
+
+    def join(self) -> None:
+        """End the thread once the queue is drained (after `close`)."""
+        self._queue.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            result, error = None, None
+            if job.should_stop():
+                error = RolloutCancelled("stopped before it started")
+            else:
+                job.started = time.monotonic()
+                self.running = job
+                try:
+                    result = job.fn(job.should_stop)
+                except BaseException as e:  # noqa: BLE001 - handed to the request that waits for it
+                    error = e
+                self.running = None
+            with self._lock:  # off the list before the answer: a client that got its answer sees the call gone
+                self.jobs.remove(job)
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+
+    async def wait(self, job: _Job[_T], request: Request | None, timeout: float | None = None) -> _T:
+        """The call's result; stops it when `request`'s client disconnects (or this waiting task is cancelled)."""
+        future = asyncio.wrap_future(job.future)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+            while not future.done():
+                await asyncio.wait({future}, timeout=_POLL_S)
+                if not future.done() and request is not None and await request.is_disconnected():
+                    job.stop("disconnected")
+        except asyncio.CancelledError:  # uvicorn gave up waiting for this request at shutdown
+            job.stop("shutdown")
+            raise
+        try:
+            return future.result()
+        except RolloutCancelled as e:
+            raise _stopped(job, timeout) from e
         except ValueError as e:  # the engine's contract: a ValueError is the caller's bad input, nothing applied
             raise RequestError(str(e)) from e
-        finally:
-            self.depth -= 1
 
 
-# -- request fields --------------------------------------------------------------------------------------------
-_SAMPLING = typing.get_type_hints(SamplingParams)  # field -> type, so a new sampling field is served as it lands
-_ROLLOUT = {"prompts": list[str], "n_per_prompt": int, "seed": int, "decode": bool, "record_snapshot": bool,
-            **_SAMPLING}
-_OPENAI = {"prompt": str, "n": int, "size": str, "response_format": str, "model": str, "seed": int,
-           **{k: _SAMPLING[k] for k in ("steps", "cfg_scale", "sampler", "negative_prompt")}}
-_LORA = {"scale": float, "merge_mode": str | None}
+def _stopped(job: _Job, timeout: float | None) -> RequestError:
+    when = "while it ran" if job.started is not None else "before it started"
+    if job.stop_reason == "timeout":
+        return RequestError(f"the request ran past this server's per-request timeout of {timeout:g} s "
+                            f"(--request-timeout) and was stopped {when}", 504, code="timeout")
+    if job.stop_reason == "disconnected":  # nobody reads this answer
+        return RequestError(f"the client disconnected; the request was stopped {when}", 499, code="cancelled")
+    return RequestError(f"the server is shutting down; the request was stopped {when}", 503, code="shutting_down")
 
 
-def _conforms(v: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_conforms(v, a) for a in args)
-    if origin is tuple:
-        return isinstance(v, (list, tuple)) and len(v) == len(args) and all(map(_conforms, v, args))
-    if origin is list:
-        return isinstance(v, list) and all(_conforms(x, args[0]) for x in v)
-    if hint in (int, float) and isinstance(v, bool):  # bool is an int subclass; true is no step count
-        return False
-    if hint is float:  # JSON and msgpack may send 1 for 1.0; NaN and inf pass no engine check, so refuse them here
-        return isinstance(v, (int, float)) and abs(v) <= sys.float_info.max
-    return isinstance(v, hint)
+# -- requests --------------------------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    """No coercion: a string is no list or number, a number no string, a bool no int, a float no int; floats
+    may be sent as ints and must be finite; unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+_D = SamplingParams()
+
+
+class _Sampling(_Strict):
+    """Every `SamplingParams` field, with its default (a test keeps the two in step). The engine checks values."""
+
+    steps: int = _D.steps
+    sampler: str = _D.sampler
+    noise_level: float = _D.noise_level
+    cfg_scale: float = _D.cfg_scale
+    negative_prompt: str = _D.negative_prompt
+    num_sde_steps: int | None = _D.num_sde_steps
+    sde_window: tuple[StrictInt, StrictInt] | None = Field(_D.sde_window, strict=False)  # msgpack sends a list
+    height: int = _D.height
+    width: int = _D.width
+    max_sequence_length: int = _D.max_sequence_length
+    rollout_microgroup_size: int | None = _D.rollout_microgroup_size
+
+    def params(self) -> SamplingParams:
+        try:
+            return SamplingParams(**{f: getattr(self, f) for f in _Sampling.model_fields})
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
+
+class RolloutRequest(_Sampling):
+    """`POST /rollout/generate`: `Engine.rollout`'s arguments, sampling params flat."""
+
+    prompts: list[str]
+    n_per_prompt: int
+    seed: int
+    decode: bool = True
+    record_snapshot: bool = False
+
+
+class ImagesRequest(_Strict):
+    """`POST /v1/images/generations`: OpenAI's fields this server honours, and a few sampling extensions."""
+
+    prompt: str
+    n: int = 1
+    size: str = f"{_D.width}x{_D.height}"
+    response_format: str = "b64_json"
+    model: str | None = None  # OpenAI clients send one; there is one model here
+    seed: int | None = None
+    steps: int = _D.steps
+    cfg_scale: float = _D.cfg_scale
+    sampler: str = _D.sampler
+    negative_prompt: str = _D.negative_prompt
+
+
+class LoraUpdate(_Strict):
+    scale: float
+    merge_mode: str | None = None
+
+
+class LoraByPath(LoraUpdate):
+    path: str
+
+
+class FullUpdate(_Strict):
+    pass
+
+
+class FullByPath(FullUpdate):
+    path: str
 
 
 def _type_name(hint: Any) -> str:
-    return "a finite float" if hint is float else hint.__name__ if isinstance(hint, type) else str(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(map(_type_name, args))
+    if origin in (list, tuple):
+        return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    return {float: "a finite float", type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def _fields(body: Any, schema: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The body's fields checked against `schema` (name -> type); unknown, missing and mistyped ones are refused
-    by name. Floats come back as Python floats."""
+def _validate(model: type[_M], body: Any) -> _M:
+    """`body` as a `model`, or a RequestError naming the unknown, missing or mistyped fields."""
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a map of fields, got {type(body).__name__}")
-    unknown = sorted(map(str, set(body) - set(schema)))
-    if unknown:
-        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; this endpoint takes "
-                           f"{', '.join(sorted(schema))}")
-    missing = [k for k in required if k not in body]
-    if missing:
-        raise RequestError(f"missing field(s) {', '.join(map(repr, missing))}")
-    for k, v in body.items():
-        if not _conforms(v, schema[k]):
-            raise RequestError(f"field {k!r} must be {_type_name(schema[k])}, got {type(v).__name__} {v!r:.100}")
-    if not -2**63 <= body.get("seed", 0) < 2**63:  # seeds are hashed as signed 64-bit integers
-        raise RequestError(f"field 'seed' must fit a signed 64-bit integer, got {body['seed']}")
-    return {k: float(v) if schema[k] is float else v for k, v in body.items()}
+    try:
+        out = model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors()
+        for kind, what in (("invalid_key", "field names must be strings, got"), ("extra_forbidden", "unknown field(s)"),
+                           ("missing", "missing field(s)")):
+            names = [x["loc"][0] for x in errors if x["type"] == kind and len(x["loc"]) == 1]
+            if names:
+                takes = f"; this endpoint takes {', '.join(sorted(model.model_fields))}" * (kind == "extra_forbidden")
+                raise RequestError(f"{what} {', '.join(map(repr, sorted(names, key=str)))}{takes}",
+                                   param=str(names[0])) from None
+        name = errors[0]["loc"][0]
+        raise RequestError(f"field {name!r} must be {_type_name(model.model_fields[name].annotation)}, got "
+                           f"{type(body[name]).__name__} {body[name]!r:.100}", param=name) from None
+    seed = getattr(out, "seed", None)
+    if seed is not None and not -2**63 <= seed < 2**63:  # seeds are hashed as signed 64-bit integers
+        raise RequestError(f"field 'seed' must fit a signed 64-bit integer, got {seed}", param="seed")
+    return out
 
 
 def _body(data: bytes, fmt: str) -> Any:
     try:
         return msgpack.unpackb(data) if fmt == "msgpack" else json.loads(data)
     except Exception as e:  # noqa: BLE001 - any undecodable body is the client's error
-        raise RequestError(f"malformed {fmt} body ({type(e).__name__}: {e})") from e
+        raise RequestError(f"malformed {fmt} body ({type(e).__name__}: {str(e):.200})") from e
 
 
-def _sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    try:
-        return SamplingParams(**{k: v for k, v in fields.items() if k in _SAMPLING})
-    except ValueError as e:
-        raise RequestError(str(e)) from e
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes before more of it is read."""
+    too_big = RequestError(f"the body is larger than the {limit} bytes this endpoint takes", 413, code="too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # -- weights ---------------------------------------------------------------------------------------------------
@@ -141,11 +402,50 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-def _read_weights(path: str, folders: bool) -> dict[str, torch.Tensor]:
+_INDEX = "diffusion_pytorch_model.safetensors.index.json"  # the sharded-checkpoint index `loading` reads
+
+
+def _inside(root: Path, path: Path | str) -> Path | None:
+    """`path` (relative to `root`, or absolute) with `..` and links resolved, if it lies inside `root`."""
     try:
-        return read_transformer_state_dict(path) if folders and Path(path).is_dir() else load_file(path)
-    except Exception as e:  # noqa: BLE001 - a missing, unreadable or corrupt file is the client's error
-        raise RequestError(f"cannot read weights from {path!r}: {type(e).__name__}: {e}") from e
+        real = (root / path).resolve()
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a link loop
+        return None
+    return real if real.is_relative_to(root) else None
+
+
+def _read_weights(root: Path | None, path: str, folders: bool) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (or, with `folders`, a checkpoint folder) under `root`. Refusals say
+    nothing about anything outside `root` and never quote the file: its bytes may be anything."""
+    if root is None:
+        raise RequestError("weight loads by path are off on this server: start `trueflow serve` with "
+                           "--weights-root DIR and send paths inside DIR, or send IPC handles", 403, param="path")
+    outside = RequestError(f"the path {path!r} is not inside this server's --weights-root (relative paths are "
+                           f"taken from it; '..' and links out of it are refused)", 403, param="path")
+    real = _inside(root, path)
+    if real is None:
+        raise outside
+    if not real.exists():
+        raise RequestError(f"nothing at {path!r} under the weights root", param="path")
+    try:
+        if not (folders and real.is_dir()):
+            return load_file(real)
+        d = transformer_dir(real)
+        files = [d / _INDEX] if (d / _INDEX).is_file() else sorted(d.glob("*.safetensors"))
+        if any(_inside(root, f) is None for f in files):
+            raise outside
+        if files and files[0].name == _INDEX:  # the shards the index names must lie inside too
+            shards = json.loads(files[0].read_text())["weight_map"].values()
+            if any(_inside(root, d / s) is None for s in shards):
+                raise outside
+        return read_transformer_state_dict(d)
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt file, a folder that is no checkpoint: logged, not echoed
+        log.warning("weights at %s: %s: %s", real, type(e).__name__, e)
+        raise RequestError(f"cannot read weights from {path!r}: not a readable safetensors file"
+                           f"{' or checkpoint folder' if folders else ''} (the server's log has the details)",
+                           param="path") from None
 
 
 def _check_weights(state: dict[str, torch.Tensor]) -> None:
@@ -160,28 +460,28 @@ def _check_weights(state: dict[str, torch.Tensor]) -> None:
         raise RequestError("weights refused, nothing applied: " + "; ".join(problems))
 
 
-async def _weights_request(request: Request, schema: dict[str, Any], required: tuple[str, ...],
-                           folders: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+async def _weights_request(request: Request, model: type[_M], by_path: type[_M], folders: bool,
+                           root: Path | None) -> tuple[dict[str, torch.Tensor], _M]:
     """(tensors, other fields) of a weight update, from a safetensors path (JSON) or IPC handles, validated."""
     kind = request.headers.get("content-type", "").split(";")[0].strip()
-    body = await request.body()
     if kind == "application/json":
-        fields = _fields(_body(body, "JSON"), {"path": str, **schema}, ("path", *required))
-        state = await asyncio.to_thread(_read_weights, fields.pop("path"), folders)
+        body = _body(await _read_body(request, WEIGHT_JSON_BYTES), "JSON")
+        fields_ = _validate(by_path, body)
+        state = await asyncio.to_thread(_read_weights, root, fields_.path, folders)
     elif kind == wire.IPC_CONTENT_TYPE:
         if not _is_loopback(request.client.host if request.client else None):
             raise RequestError("IPC handles are taken from loopback clients only: the payload is a pickle, and "
                                "handles only open on the sender's machine", 403)
         try:
-            buckets, rest = await asyncio.to_thread(wire.load_handles, body)
+            buckets, rest = await asyncio.to_thread(wire.load_handles, await _read_body(request, IPC_PAYLOAD_BYTES))
         except ValueError as e:
             raise RequestError(str(e)) from e
-        fields, state = _fields(rest, schema, required), unpack(buckets)
+        fields_, state = _validate(model, rest), unpack(buckets)
     else:
         raise RequestError(f"content-type must be application/json (a safetensors path) or {wire.IPC_CONTENT_TYPE} "
                            f"(IPC handles), got {kind or 'none'!r}", 415)
     await asyncio.to_thread(_check_weights, state)
-    return state, fields
+    return state, fields_
 
 
 def _png_b64(image: torch.Tensor) -> str:
@@ -193,114 +493,159 @@ def _png_b64(image: torch.Tensor) -> str:
 
 
 # -- the app ---------------------------------------------------------------------------------------------------
-def create_app(engine: Engine, max_batch: int = 64, default_seed: int = 0) -> FastAPI:
-    """The server of `engine`. `max_batch`: most samples (prompts x n) one generation request may ask for;
-    `default_seed`: the seed of OpenAI-style requests that name none."""
+_OPENAI_PARAM = {"n_per_prompt": "n", "width": "size", "height": "size", "prompts": "prompt"}
+
+
+def _error_body(path: str, message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """`{"error": message}`, or on the OpenAI routes (/v1/...) OpenAI's error object, which its SDKs show."""
+    if not path.startswith("/v1/"):
+        return {"error": message}
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": _OPENAI_PARAM.get(param, param), "code": code}}
+
+
+def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
+               weights_root: str | Path | None = None) -> FastAPI:
+    """The server of `engine`. `limits`: what one request may ask; `default_seed`: the seed of OpenAI-style
+    requests that name none; `weights_root`: the folder path-based weight updates may read (None: none)."""
+    root = None if weights_root is None else Path(weights_root).resolve()
+    if root is not None and not root.is_dir():
+        raise FileNotFoundError(f"--weights-root {weights_root}: no such folder")
     worker = Worker()
-    threads = worker.pool.submit(torch.get_num_threads).result()  # what the engine's thread runs with (DESIGN 3, 9)
+    tokens = _TokenCounter(engine)
+    threads = worker.submit(lambda _stop: torch.get_num_threads()).future.result()  # the engine thread's count
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
-        worker.pool.shutdown(wait=False, cancel_futures=True)
+        worker.close()
+        worker.join()
 
     app = FastAPI(title="trueflow engine server", lifespan=lifespan)
+    app.state.worker = worker
 
-    async def refused(_request: Request, e: RequestError) -> JSONResponse:
-        return JSONResponse({"error": str(e)}, e.status)
+    async def refused(request: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(_error_body(request.url.path, str(e), e.status, e.param, e.code), e.status)
 
-    async def http_error(_request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
-        return JSONResponse({"error": e.detail}, e.status_code)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
+        return JSONResponse(_error_body(request.url.path, e.detail, e.status_code), e.status_code)
 
-    async def failed(_request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse({"error": f"{type(e).__name__}: {e}"}, 500)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(_error_body(request.url.path, f"{type(e).__name__}: {e}", 500), 500)
 
     app.add_exception_handler(RequestError, refused)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, failed)
 
-    def check_size(samples: int) -> None:
-        if samples > max_batch:
-            raise RequestError(f"the request asks for {samples} samples; this server takes at most {max_batch} per "
-                               f"request (--max-batch)")
-
-    def rollout(prompts: list[str], n: int, params: SamplingParams, seed: int, decode: bool,
-                record_snapshot: bool) -> Rollout:
-        out = engine.rollout(prompts, n, params, seed, decode, record_snapshot)
-        out.engine["lora_checksum"] = engine.lora_checksum()  # in the same call: the LoRA this rollout ran with
-        return out
+    async def generation(request: Request, samples: int, params: SamplingParams, prompts: list[str],
+                         fn: Callable[[Callable[[], bool]], _T], arrived: float) -> _T:
+        """Check `limits`, then run `fn` on the worker within the request's time, stopped if its client leaves."""
+        limits.check(samples, params, prompts)
+        await asyncio.to_thread(tokens.check, limits, prompts, params.negative_prompt)
+        job = worker.submit(fn, arrived + limits.request_timeout, limits.max_queue)
+        return await worker.wait(job, request, limits.request_timeout)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "checkpoint": engine.checkpoint, "patch_group": engine.patch_group,
-                "disabled_patches": list(engine.disabled_patches),
-                "patches_applied": list(engine.transformer.patches_applied),
-                "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device), "threads": threads,
-                "max_batch": max_batch, "queue_depth": worker.depth}
+    async def health() -> JSONResponse:
+        running = worker.running
+        age = None if running is None or running.started is None else time.monotonic() - running.started
+        stuck = age is not None and age > limits.request_timeout + min(limits.request_timeout, STUCK_GRACE_S)
+        status = "shutting_down" if worker.closed else "stuck" if stuck else "ok"
+        return JSONResponse({
+            "status": status, "checkpoint": engine.checkpoint, "patch_group": engine.patch_group,
+            "disabled_patches": list(engine.disabled_patches), "patches_applied": list(engine.transformer.patches_applied),
+            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device), "threads": threads,
+            "busy": running is not None, "queue_depth": worker.depth,
+            "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits)},
+            200 if status == "ok" else 503)
 
     @app.post("/rollout/generate")
     async def generate(request: Request) -> Response:
-        f = _fields(_body(await request.body(), "msgpack"), _ROLLOUT, ("prompts", "n_per_prompt", "seed"))
-        params = _sampling_params(f)
-        check_size(len(f["prompts"]) * f["n_per_prompt"])
-        out = await worker.run(rollout, f["prompts"], f["n_per_prompt"], params, f["seed"], f.get("decode", True),
-                               f.get("record_snapshot", False))
+        arrived = time.monotonic()
+        r = _validate(RolloutRequest, _body(await _read_body(request, limits.generation_body_bytes), "msgpack"))
+        params = r.params()
+
+        def rollout(should_stop: Callable[[], bool]) -> Rollout:
+            out = engine.rollout(r.prompts, r.n_per_prompt, params, r.seed, r.decode, r.record_snapshot,
+                                 should_stop=should_stop)
+            out.engine["lora_checksum"] = engine.lora_checksum()  # in the same call: the LoRA this rollout ran with
+            return out
+
+        out = await generation(request, len(r.prompts) * r.n_per_prompt, params, r.prompts, rollout, arrived)
         return Response(await asyncio.to_thread(wire.encode_rollout, out), media_type=MSGPACK)
 
     @app.post("/v1/images/generations")
     async def images(request: Request) -> dict:
-        f = _fields(_body(await request.body(), "JSON"), _OPENAI, ("prompt",))
-        if f.get("response_format", "b64_json") != "b64_json":
+        arrived = time.monotonic()
+        r = _validate(ImagesRequest, _body(await _read_body(request, limits.generation_body_bytes), "JSON"))
+        if r.response_format != "b64_json":
             raise RequestError(f"response_format must be 'b64_json' (this server keeps no image URLs), "
-                               f"got {f['response_format']!r}")
-        defaults = SamplingParams()
-        size = f.get("size", f"{defaults.width}x{defaults.height}")
-        m = re.fullmatch(r"(\d+)x(\d+)", size)
+                               f"got {r.response_format!r}", param="response_format")
+        m = re.fullmatch(r"(\d{1,6})x(\d{1,6})", r.size)
         if not m:
-            raise RequestError(f"size must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64', got {size!r}")
-        params = _sampling_params({**f, "width": int(m[1]), "height": int(m[2])})
-        n, seed = f.get("n", 1), f.get("seed", default_seed)
-        check_size(n)
-        out = await worker.run(engine.rollout, [f["prompt"]], n, params, seed)
+            raise RequestError(f"size must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64', got {r.size!r:.100}",
+                               param="size")
+        params = _Sampling(steps=r.steps, cfg_scale=r.cfg_scale, sampler=r.sampler, negative_prompt=r.negative_prompt,
+                           width=int(m[1]), height=int(m[2])).params()
+        seed = default_seed if r.seed is None else r.seed
+        out = await generation(request, r.n, params, [r.prompt],
+                               lambda stop: engine.rollout([r.prompt], r.n, params, seed, should_stop=stop), arrived)
         data = await asyncio.to_thread(lambda: [{"b64_json": _png_b64(image)} for image in out.images])
         return {"created": int(time.time()), "seed": seed, "data": data}
 
     @app.post("/weights/lora")
     async def weights_lora(request: Request) -> dict:
-        state, f = await _weights_request(request, _LORA, ("scale",), folders=False)
+        state, f = await _weights_request(request, LoraUpdate, LoraByPath, False, root)
 
-        def apply() -> str:
-            engine.update_lora(state, f["scale"], f.get("merge_mode"))
+        def apply(_stop: Callable[[], bool]) -> str:
+            engine.update_lora(state, f.scale, f.merge_mode)
             return engine.lora_checksum()
 
-        return {"lora": await worker.run(apply)}
+        return {"lora": await worker.wait(worker.submit(apply), request)}
 
     @app.post("/weights/full")
     async def weights_full(request: Request) -> dict:
-        state, _ = await _weights_request(request, {}, (), folders=True)
+        state, _ = await _weights_request(request, FullUpdate, FullByPath, True, root)
 
-        def apply() -> str:
+        def apply(_stop: Callable[[], bool]) -> str:
             engine.load_weights(state)
             return engine.weights_checksum()
 
-        return {"weights": await worker.run(apply)}
+        return {"weights": await worker.wait(worker.submit(apply), request)}
 
     @app.get("/weights/checksum")
-    async def checksum() -> dict:
-        weights, lora = await worker.run(lambda: (engine.weights_checksum(), engine.lora_checksum()))
+    async def checksum(request: Request) -> dict:
+        job = worker.submit(lambda _stop: (engine.weights_checksum(), engine.lora_checksum()))
+        weights, lora = await worker.wait(job, request)
         return {"weights": weights, "lora": lora}
 
     return app
 
 
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, how long requests have to answer before uvicorn cancels them
+
+
 def serve(checkpoint: str, host: str, port: int, patch_group: str = "none",
           disabled_patches: tuple[str, ...] = (), device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-          max_batch: int = 64, default_seed: int = 0) -> None:
-    """Builds the engine once, then serves it until interrupted."""
+          limits: Limits = Limits(), default_seed: int = 0, weights_root: str | None = None) -> None:
+    """Builds the engine once, then serves it until SIGTERM or SIGINT: then it takes no more work, stops the
+    running rollout at its next step, answers the waiting requests 503 and exits."""
     import uvicorn
 
     engine = Engine(checkpoint, patch_group, disabled_patches, device, dtype)
-    uvicorn.run(create_app(engine, max_batch, default_seed), host=host, port=port, log_level="info")
+    app = create_app(engine, limits, default_seed, weights_root)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+            app.state.worker.close()  # uvicorn alone would wait for the running request, however long
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+        pass
 
 
 # -- clients ---------------------------------------------------------------------------------------------------
