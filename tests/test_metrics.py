@@ -90,12 +90,13 @@ def wandb_history(run_dir: Path) -> list[dict]:
 
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    return tmp_path
+    yield tmp_path
+    wandb.teardown()  # wandb keeps the settings of its first run per process (the mode, the folders): reset them
 
 
 def test_wandb_offline_logs_every_step(wandb_offline):
@@ -122,7 +123,14 @@ def test_wandb_offline_logs_every_step(wandb_offline):
 
 def test_wandb_missing_is_one_line_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    with pytest.raises(ImportError, match=r"^--wandb needs the wandb package: pip install 'trueflow\[wandb\]'$"):
+    with pytest.raises(ValueError, match=r"^--wandb needs the wandb package: pip install 'trueflow\[wandb\]'$"):
         require_wandb()
-    with pytest.raises(ImportError, match="trueflow\\[wandb\\]"):
+    with pytest.raises(ValueError, match="trueflow\\[wandb\\]"):
         MetricsWriter(tmp_path / "metrics.jsonl", wandb=WandbSettings(dir=tmp_path))
+
+
+def test_wandb_online_without_an_api_key_is_one_line_with_the_fix(wandb_offline, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"^--wandb: .*wandb login.* WANDB_MODE=offline"):
+        MetricsWriter(wandb_offline / "run" / "metrics.jsonl", wandb=WandbSettings(dir=wandb_offline / "run"))

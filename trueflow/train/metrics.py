@@ -42,11 +42,12 @@ def _scalars(record: dict) -> dict[str, float]:
 
 
 def require_wandb() -> None:
-    """Fail early, with the fix, when `--wandb` is asked for without the package."""
+    """Fail early, with the fix, when `--wandb` is asked for without the package. A ValueError: a setting this
+    install cannot honour is a user error (the CLI prints one line, exit 2)."""
     try:
         import wandb  # noqa: F401
     except ImportError:
-        raise ImportError("--wandb needs the wandb package: pip install 'trueflow[wandb]'") from None
+        raise ValueError("--wandb needs the wandb package: pip install 'trueflow[wandb]'") from None
 
 
 class MetricsWriter:
@@ -75,9 +76,12 @@ class MetricsWriter:
 
             if wandb.dir is not None:
                 Path(wandb.dir).mkdir(parents=True, exist_ok=True)
-            self.wandb_run = wandb_lib.init(project=wandb.project, name=wandb.name,
-                                            dir=str(wandb.dir) if wandb.dir is not None else None,
-                                            config=strict_json(wandb.config))
+            try:
+                self.wandb_run = wandb_lib.init(project=wandb.project, name=wandb.name,
+                                                dir=str(wandb.dir) if wandb.dir is not None else None,
+                                                config=strict_json(wandb.config))
+            except wandb_lib.errors.UsageError as e:  # no API key and not offline: the user's to fix
+                raise ValueError(f"--wandb: {e} (or set WANDB_MODE=offline to keep the run on disk)") from None
 
     def write(self, record: dict) -> None:
         # allow_nan=False: a non-finite value that strict_json missed raises here instead of corrupting the file.
