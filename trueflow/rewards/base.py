@@ -42,6 +42,12 @@ class Reward(Protocol):
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
 
 
+def _vlm_judge(url: str | None, model_path: str | None = None) -> Reward:
+    from .vlm_judge import VlmJudge  # imported here: it uses this module's errors
+
+    return VlmJudge(url, model_path)
+
+
 # A factory is called with whichever of `model_path`, `device` and `url` it names, and returns a Reward.
 RewardFactory = Callable[..., Reward]
 
@@ -54,6 +60,7 @@ REWARDS: dict[str, RewardFactory] = {
     "ocr": OcrReward,
     "clip_score": ClipScore,
     "aesthetic": Aesthetic,
+    "vlm_judge": _vlm_judge,
 }
 _FACTORY_ARGS = ("model_path", "device", "url")
 
