@@ -134,3 +134,9 @@ def test_wandb_online_without_an_api_key_is_one_line_with_the_fix(wandb_offline,
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with pytest.raises(ValueError, match=r"^--wandb: .*wandb login.* WANDB_MODE=offline"):
         MetricsWriter(wandb_offline / "run" / "metrics.jsonl", wandb=WandbSettings(dir=wandb_offline / "run"))
+
+
+def test_tensorboard_missing_is_one_line_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ValueError, match=r"^--tensorboard needs the tensorboard package: pip install tensorboard$"):
+        MetricsWriter(tmp_path / "metrics.jsonl", tensorboard_dir=tmp_path / "tensorboard")

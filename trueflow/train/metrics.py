@@ -66,7 +66,10 @@ class MetricsWriter:
         self.lines = keep_lines or 0
         self.tb = None
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # torch's writer needs the tensorboard package, which torch does not bring
+                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
 
             self.tb = SummaryWriter(str(tensorboard_dir))
         self.wandb_run = None
