@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from trueflow.train.report import PARITY_PNG, REWARD_PNG, TIMING_PNG, parity_figure, reward_figure, timing_figure, \
-    write_summary
+from trueflow.train.report import (PARITY_PNG, REWARD_PNG, TIMING_PNG, parity_figure, reward_figure, timing_figure,
+                                   write_summary)
 from test_metrics import strict_loads
 
 
@@ -134,3 +134,11 @@ def test_a_training_run_writes_strict_json_and_a_summary_with_its_plots(tmp_path
     for png in (REWARD_PNG, PARITY_PNG, TIMING_PNG):
         assert f"]({png})" in summary
         assert_readable_png(out / png)
+
+
+def test_parity_plot_marks_non_finite_differences():
+    """A NaN model output (null in metrics.jsonl) must not vanish from the plot as a gap."""
+    fig = parity_figure([record(1), record(2, model=None, log_prob=None), record(3, model=1e-2)])
+    (ax,) = fig.axes
+    (marker,) = [line for line in ax.get_lines() if line.get_label() == "not finite (NaN or inf)"]
+    assert list(marker.get_xdata()) == [2]

@@ -82,7 +82,8 @@ def reward_figure(rows: list[dict], reward_name: str = "reward") -> Figure:
 
 def parity_figure(rows: list[dict]) -> Figure:
     """The train-vs-rollout differences per step on a symlog axis: exact 0.0 (the bitwise case, which a log axis
-    cannot show) sits on the 0 line with its own hollow marker, and positive values are logarithmic above it."""
+    cannot show) sits on the 0 line with its own hollow marker, positive values are logarithmic above it, and a
+    step with a non-finite difference is marked at the top."""
     steps = _column(rows, "step")
     series = [(_column(rows, key), label) for key, label in PARITY_SERIES]
     values = np.concatenate([v for v, _ in series])
@@ -110,6 +111,10 @@ def parity_figure(rows: list[dict]) -> Figure:
         if zeros.any():  # concentric rings, so zeros of all three series stay visible
             ax.plot(steps[zeros], v[zeros], "o", ms=11 - 3 * i, mfc="none", mew=1.5, color=color)
     ax.plot([], [], "o", ms=8, mfc="none", color="gray", label="ring: exactly 0.0 (bitwise)")
+    broken = ~np.all([np.isfinite(v) for v, _ in series], axis=0)
+    if broken.any():  # NaN/inf in the run (null in metrics.jsonl): the worst case, so shown, at the top
+        ax.plot(steps[broken], np.ones(broken.sum()), "v", color="tab:red", ms=8,
+                transform=ax.get_xaxis_transform(), clip_on=False, label="not finite (NaN or inf)")
     ax.axhline(0.0, color="black", lw=0.8)
     return _legend(fig)
 
