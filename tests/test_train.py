@@ -3,7 +3,6 @@ and the placement that must not change a single bit (engine process, 2 FSDP rank
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from trueflow.train.config import ParityConditionWarning, TrainConfig
+from trueflow.train.config import ParityConditionWarning, TrainConfig, config_from_argv
 from trueflow.train.dist import free_port
 from trueflow.train.metrics import TIMING_KEYS, read_metrics
 from trueflow.train.run import run_training
@@ -142,21 +141,19 @@ def test_invalid_settings_are_refused_with_the_fix(tmp_path, tiny_checkpoint, ov
 
 
 def test_flags_and_yaml_fill_the_same_config(tmp_path):
-    p = argparse.ArgumentParser()
-    TrainConfig.add_arguments(p)
     yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("lr: 0.5\nsteps: 7\n")
-    cfg = TrainConfig.from_args(p.parse_args(["--config", str(yaml_file), "--steps", "5", "--patch-group", "none"]))
+    yaml_file.write_text("optim:\n  lr: 0.5\nrollout:\n  steps: 7\n")
+    cfg = config_from_argv(["--config", str(yaml_file), "--steps", "5", "--patch-group", "none"])
     assert (cfg.lr, cfg.steps, cfg.rollout_patch_group) == (0.5, 5, "none")  # flags override the file
-    yaml_file.write_text("lrr: 1\n")
+    yaml_file.write_text("optim:\n  lrr: 1\n")
     with pytest.raises(ValueError, match="unknown setting"):
-        TrainConfig.from_args(p.parse_args(["--config", str(yaml_file)]))
+        config_from_argv(["--config", str(yaml_file)])
 
 
 def test_the_aligned_recipe_breaks_no_condition():
-    p = argparse.ArgumentParser()
-    TrainConfig.add_arguments(p)
-    cfg = TrainConfig.from_args(p.parse_args(["--config", "recipes/bitwise-aligned.yaml"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sections, not the flat layout
+        cfg = config_from_argv(["--config", "recipes/bitwise-aligned.yaml"])
     assert cfg.parity_warnings() == []
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from .options import DTYPES, add_engine_options, add_sampling_options, torch_dtype
 
@@ -121,16 +122,36 @@ def _run_generate(a: argparse.Namespace) -> int:
 
 # -- train -----------------------------------------------------------------------------------------------------
 def _add_train(p: argparse.ArgumentParser) -> None:
-    from .train.config import TrainConfig
+    from .train.config import add_arguments
 
-    TrainConfig.add_arguments(p)
+    p.set_defaults(train_settings=add_arguments(p))
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"trueflow train: warning: {' '.join(str(message).split())}\n"
 
 
 def _run_train(a: argparse.Namespace) -> int:
-    from .train.config import TrainConfig
+    from pydantic import ValidationError
+
+    from .train.config import config_from_args, format_error
+
+    warnings.formatwarning = _one_line_warning
+    try:  # types, ranges and combinations: before anything is loaded
+        cfg = config_from_args(a, a.train_settings)
+    except ValidationError as e:
+        raise ValueError(format_error(e)) from None
+    if a.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    from .rewards.base import RewardError
     from .train.run import run_training
 
-    out = run_training(TrainConfig.from_args(a))
+    try:
+        out = run_training(cfg)
+    except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint intact
+        raise ValueError(f"{e} (the run stopped; its last checkpoint is intact: fix the reward and --resume, or "
+                         "--reward-on-error skip to drop failing prompt groups)") from None
     if out is not None:
         print(f"run written to {out} (metrics.jsonl, summary.md, samples/, checkpoints/)")
     return 0
@@ -266,9 +287,16 @@ VERBS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported as one line (the usage is one `--help` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trueflow", description="Online RL for flow-matching diffusion "
-                                     "transformers, with bitwise train/rollout parity.")
+    parser = _Parser(prog="trueflow", description="Online RL for flow-matching diffusion "
+                     "transformers, with bitwise train/rollout parity.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for name, (help_text, add, _run) in VERBS.items():
         add(sub.add_parser(name, help=help_text, description=help_text))
@@ -279,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return VERBS[args.verb][2](args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear message, no traceback
-        print(f"trueflow {args.verb}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one clear line, no traceback
+        print(f"trueflow {args.verb}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

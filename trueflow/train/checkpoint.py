@@ -8,7 +8,9 @@ Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
   trainer_state.json                step, rollout, metrics lines written, RNG states, settings
   COMPLETE                          written last; a folder without it is ignored on resume
 A checkpoint is built in `.tmp-step-N` and renamed into place (os.replace is atomic on one file system), then
-`latest` is rewritten the same way. A run killed at any moment leaves the previous checkpoint intact.
+`latest` is rewritten the same way. A run killed at any moment leaves the previous checkpoint intact; a checkpoint
+damaged later (e.g. a truncated file) is skipped on resume, with a warning, for the one before it.
+`optimizer.pt` holds tensors and plain values only, and is read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +43,22 @@ def _jsonable(o):
     return sorted(o) if isinstance(o, set) else str(o)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read back (a missing or damaged file)."""
+
+
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    """Every RNG's state, as tensors and plain values (numpy's key array as an int64 tensor)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                   cached),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None:
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -81,24 +92,53 @@ def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], a
     return final
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoint folders, newest first (the one `latest` names leads)."""
+    ckpts = root / "checkpoints"
+    if not ckpts.is_dir():
+        return []
+    done = sorted((d for d in ckpts.glob("step-*") if (d / "COMPLETE").is_file()), reverse=True)
+    pointer = ckpts / "latest"
+    named = ckpts / pointer.read_text().strip() if pointer.is_file() else None
+    return sorted(done, key=lambda d: d != named)  # stable: the named one first, the rest newest first
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint: the one `latest` names, or failing that the newest folder with COMPLETE."""
-    ckpts = root / "checkpoints"
-    pointer = ckpts / "latest"
-    if pointer.is_file():
-        d = ckpts / pointer.read_text().strip()
-        if (d / "COMPLETE").is_file():
-            return d
-    done = sorted(d for d in ckpts.glob("step-*") if (d / "COMPLETE").is_file()) if ckpts.is_dir() else []
-    return done[-1] if done else None
+    done = complete_checkpoints(root)
+    return done[0] if done else None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(LoRA fp32 masters by PEFT name, optimizer+rng state, trainer state)."""
+    """(LoRA fp32 masters by PEFT name, optimizer+rng state, trainer state). A missing or damaged file raises
+    CheckpointError."""
     missing = [f for f in (LORA_FILE, "optimizer.pt", "trainer_state.json", "COMPLETE") if not (path / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); "
-                                "remove it or resume from an earlier one")
-    lora = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path / LORA_FILE)).items()}
-    extra = torch.load(path / "optimizer.pt", weights_only=False)
-    return lora, extra, json.loads((path / "trainer_state.json").read_text())
+        raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)})")
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        lora = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path / LORA_FILE)).items()}
+        extra = torch.load(path / "optimizer.pt", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the damage, the folder cannot be resumed from
+        reason = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})") from None
+    return lora, extra, state
+
+
+def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] | None:
+    """(path, *load_checkpoint(path)) of the newest complete checkpoint that reads back; a damaged one is skipped
+    with a warning. None when there is no complete checkpoint; CheckpointError when none of them reads back."""
+    failures = []
+    for path in complete_checkpoints(root):
+        try:
+            loaded = (path, *load_checkpoint(path))
+        except CheckpointError as e:
+            failures.append(str(e))
+            continue
+        if failures:
+            warnings.warn(f"{'; '.join(failures)}: resuming from {path.name} instead", stacklevel=2)
+        return loaded
+    if failures:
+        raise CheckpointError(f"no checkpoint of {root} reads back ({'; '.join(failures)}); move {root} aside to "
+                              "start over")
+    return None

@@ -1,16 +1,23 @@
-"""`trueflow train` settings: one dataclass (config as data) that YAML files and flags fill, validated in one
-place. Invalid combinations raise with the fix; combinations that break a condition of bitwise parity
-(DESIGN 3) are allowed but warned about loudly, naming the condition."""
+"""`trueflow train` settings, validated by pydantic before anything heavy starts.
+
+In Python a `TrainConfig` is flat (`cfg.steps`, `TrainConfig(steps=3)`). In YAML and on the command line the same
+settings sit in sections (model, rollout, algorithm, optim, parallel, checkpoint, reward), under the same names:
+`rollout: {steps: 3}` in a file is `--rollout.steps 3` on the command line. Each field says where it sits (`_f`),
+so the sectioned form is derived from this one class; pydantic-settings builds the flags from it, and every
+setting also keeps its flat flag (`--steps`, `--patch-group`...) as an alias. A flat YAML file still loads, with
+a warning. Invalid values and combinations raise with the fix; combinations that break a condition of bitwise
+parity are allowed but warned about loudly, naming the condition (ParityConditionWarning)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import warnings
-from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 DEFAULT_LORA_TARGETS = (
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -18,148 +25,161 @@ DEFAULT_LORA_TARGETS = (
 )
 PARITY_BACKEND = "_native_flash"  # the flash kernel, also what the engine pins under the qwen_image group
 MASKED_BACKEND = "native"  # diffusers' `_native_flash` raises on any mask; this is where a masked batch goes
+SECTIONS = ("model", "rollout", "algorithm", "optim", "parallel", "checkpoint", "reward")
+DEFAULT_NUM_SDE_STEPS = 2  # capped at `steps`, so that `--steps 1` runs as it is
 
 
 class ParityConditionWarning(UserWarning):
     """A setting breaks one of the conditions for bitwise train/rollout parity."""
 
 
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
+class FlatConfigWarning(UserWarning):
+    """A YAML file written without sections (the layout before sections existed)."""
 
 
-@dataclass
-class TrainConfig:
-    output_dir: str = _f("runs/train", "run folder: metrics.jsonl, checkpoints/, samples/, summary.md")
+def _f(default: Any, help: str, section: str | None, key: str | None = None, **constraints: Any) -> Any:
+    """A setting: `section.key` in YAML and flags (`key` defaults to the field's name; no section: top level)."""
+    return Field(default, description=help, json_schema_extra={"section": section, "key": key}, **constraints)
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    # top level: the run itself
+    output_dir: str = _f("runs/train", "run folder: metrics.jsonl, checkpoints/, samples/, summary.md", None)
+    seed: int = _f(0, "random seed", None, ge=0)
+    sample_every: int = _f(1, "write a sample grid every K rollouts (0: never)", None, ge=0)
+    tensorboard: bool = _f(False, "also write TensorBoard events", None)
+    debug: bool = _f(False, "write snapshots of every rollout step", None)
+    # model
     checkpoint: str | None = _f(None, "diffusers Qwen-Image pipeline folder (default: a tiny one made under "
-                                      "runs/tiny-checkpoint on first use)")
-    prompts: str | None = _f(None, "text file, one prompt per line (default: the embedded demo prompts)")
-    # rollout
-    num_rollouts: int = _f(3, "rollouts (each followed by num_steps_per_rollout optimizer steps)")
-    num_steps_per_rollout: int = _f(1, "optimizer steps per rollout; only the first is on-policy")
-    rollout_batch_size: int = _f(2, "prompts per rollout")
-    n_samples_per_prompt: int = _f(4, "samples per prompt (the GRPO group)")
-    rollout_microgroup_size: int = _f(4, "samples of one prompt the engine runs as one batch")
-    steps: int = _f(6, "denoising steps")
-    sampler: str = _f("sde", "sde or cps (ode has no log-probs to train on)", choices=("sde", "cps"))
-    noise_level: float = _f(0.7, "SDE/CPS noise level a")
-    num_sde_steps: int = _f(2, "stochastic (and trained) steps per trajectory, in one window")
-    sde_window: tuple[int, int] | None = _f(None, "half-open step range the SDE window lies in (default: all)", nargs=2)
-    cfg_scale: float = _f(4.0, "true-CFG scale")
-    negative_prompt: str = _f(" ", "negative prompt of the CFG branch")
-    resolution: int = _f(64, "image side in pixels (multiple of 16)")
-    rollout_patch_group: str = _f("qwen_image", "the engine's patch group (alias --patch-group)")
-    disable_patch: list[str] = _f((), "switch one patch of the group off (repeatable)", action="append")
-    lora_merge_mode: str = _f("unmerged", "how the engine takes LoRA updates", choices=("unmerged", "merged"))
-    # training
-    micro_batch_size_sample: int = _f(4, "samples per train micro-batch")
-    micro_batch_size_tstep: int = _f(1, "denoising steps per train micro-batch")
-    train_dp_split_mode: str = _f("contiguous", "how train pairs go to DP ranks", choices=("contiguous", "stride"))
-    fsdp_attention_backend: str = _f(PARITY_BACKEND, "diffusers attention backend of the train forward")
-    pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)")
-    use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)")
-    lora_rank: int = _f(8, "LoRA rank")
-    lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)")
-    lora_target_modules: list[str] = _f(DEFAULT_LORA_TARGETS, "LoRA target modules", nargs="+")
+                                      "runs/tiny-checkpoint on first use)", "model")
+    dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
+    use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
+    lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
+    lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0)
+    lora_target_modules: list[str] = _f(list(DEFAULT_LORA_TARGETS), "LoRA target modules", "model", min_length=1)
     gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
-                                             "forward's values, hence parity, are unchanged)")
-    lr: float = _f(3e-3, "AdamW learning rate")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "gradient clipping norm")
-    clip_range: float = _f(1e-4, "PPO clip range")
-    adv_clip_max: float = _f(5.0, "advantages are clipped to ±this")
-    global_std: bool = _f(False, "normalise advantages by the std of all rewards instead of each group's")
-    kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base")
-    reward: str = _f("redness", "reward spec: name, name:w,name2:w2, or module:function")
-    reward_model: str | None = _f(None, "local model folder of the reward (e.g. PickScore)")
-    reward_placement: str = _f("trainer", "where the reward runs: the trainer's rank 0, or the engine process "
-                                          "(with --engine-process; an HTTP reward server is --reward http://HOST:PORT)",
-                               choices=("trainer", "engine"))
-    reward_on_error: str = _f("raise", "a failing reward: stop cleanly, or skip that prompt's group",
-                              choices=("raise", "skip"))
-    # run
-    seed: int = _f(0, "random seed")
-    dtype: str = _f("bf16", "compute dtype", choices=("bf16", "fp32"))
-    device: str = _f("cpu", "torch device")
-    engine_process: bool = _f(False, "run the engine in its own process; LoRA synced by IPC handles")
-    debug: bool = _f(False, "write snapshots of every rollout step")
-    debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer")
+                                             "forward's values, hence parity, are unchanged)", "model")
+    fsdp_attention_backend: str = _f(PARITY_BACKEND, "diffusers attention backend of the train forward", "model")
+    # rollout
+    prompts: str | None = _f(None, "text file, one prompt per line (default: the embedded demo prompts)", "rollout")
+    num_rollouts: int = _f(3, "rollouts (each followed by num_steps_per_rollout optimizer steps)", "rollout", ge=1)
+    rollout_batch_size: int = _f(2, "prompts per rollout", "rollout", "batch_size", ge=1)
+    n_samples_per_prompt: int = _f(4, "samples per prompt (the GRPO group)", "rollout", ge=2)
+    rollout_microgroup_size: int = _f(4, "samples of one prompt the engine runs as one batch", "rollout",
+                                      "microgroup_size", ge=1)
+    steps: int = _f(6, "denoising steps", "rollout", ge=1)
+    sampler: Literal["sde", "cps"] = _f("sde", "sde or cps (ode has no log-probs to train on)", "rollout")
+    noise_level: float = _f(0.7, "SDE/CPS noise level a", "rollout", gt=0)
+    num_sde_steps: int | None = _f(None, f"stochastic (and trained) steps per trajectory, in one window (default: "
+                                         f"{DEFAULT_NUM_SDE_STEPS}, or steps if fewer)", "rollout", ge=1)
+    sde_window: tuple[int, int] | None = _f(None, "half-open step range [lo, hi] the SDE window lies in "
+                                                  "(default: all steps)", "rollout")
+    cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1)
+    negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
+    resolution: int = _f(64, "image side in pixels (multiple of 16)", "rollout", ge=16)
+    rollout_patch_group: str = _f("qwen_image", "the engine's patch group", "rollout", "patch_group")
+    disable_patch: list[str] = _f([], "switch one patch of the group off (repeatable)", "rollout")
+    lora_merge_mode: Literal["unmerged", "merged"] = _f("unmerged", "how the engine takes LoRA updates", "rollout")
+    # algorithm
+    num_steps_per_rollout: int = _f(1, "optimizer steps per rollout; only the first is on-policy", "algorithm", ge=1)
+    clip_range: float = _f(1e-4, "PPO clip range", "algorithm", gt=0)
+    adv_clip_max: float = _f(5.0, "advantages are clipped to ±this", "algorithm", gt=0)
+    global_std: bool = _f(False, "normalise advantages by the std of all rewards instead of each group's",
+                          "algorithm")
+    kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base", "algorithm", ge=0)
+    # optim
+    lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", "optim", ge=0)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0)
+    debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
+    # parallel
+    device: str = _f("cpu", "torch device", "parallel")
+    engine_process: bool = _f(False, "run the engine in its own process; LoRA synced by IPC handles", "parallel")
+    train_dp_split_mode: Literal["contiguous", "stride"] = _f("contiguous", "how train pairs go to DP ranks",
+                                                              "parallel")
+    micro_batch_size_sample: int = _f(4, "samples per train micro-batch", "parallel", ge=1)
+    micro_batch_size_tstep: int = _f(1, "denoising steps per train micro-batch", "parallel", ge=1)
+    pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
+                                 "parallel", ge=1)
+    # checkpoint
     save_every: int = _f(0, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
-                            "0: at the end only)")
-    sample_every: int = _f(1, "write a sample grid every K rollouts")
-    resume: bool = _f(False, "continue from the latest checkpoint in output_dir")
-    tensorboard: bool = _f(False, "also write TensorBoard events")
-
-    # -- loading ------------------------------------------------------------------------------------------------
-    @classmethod
-    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", help="YAML file of settings (flags override it)")
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            names = [flag] + (["--patch-group"] if f.name == "rollout_patch_group" else [])
-            kw = {"help": f.metadata["help"], "default": argparse.SUPPRESS, "dest": f.name}
-            for k in ("choices", "nargs", "action"):
-                if k in f.metadata:
-                    kw[k] = f.metadata[k]
-            if f.type in ("bool", bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            elif "action" not in kw:
-                kw["type"] = _scalar_type(f)
-            p.add_argument(*names, **kw)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        values = {}
-        if getattr(args, "config", None):
-            data = yaml.safe_load(Path(args.config).read_text()) or {}
-            data = {k.replace("-", "_"): v for k, v in data.items()}
-            unknown = sorted(set(data) - {f.name for f in fields(cls)})
-            if unknown:
-                raise ValueError(f"{args.config}: unknown setting(s) {', '.join(unknown)}")
-            values.update(data)
-        values.update({f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-        return cls(**values)
-
-    def __post_init__(self) -> None:
-        self.disable_patch = list(self.disable_patch or [])
-        self.lora_target_modules = list(self.lora_target_modules)
-        if self.sde_window is not None:
-            self.sde_window = tuple(self.sde_window)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+                            "0: at the end only)", "checkpoint", ge=0)
+    resume: bool = _f(False, "continue from the latest complete checkpoint in output_dir", "checkpoint")
+    # reward
+    reward: str = _f("redness", "reward spec: name, name:w,name2:w2, module:function or http://HOST:PORT",
+                     "reward", "name", min_length=1)
+    reward_model: str | None = _f(None, "local model folder of the reward (e.g. PickScore)", "reward", "model")
+    reward_placement: Literal["trainer", "engine"] = _f(
+        "trainer", "where the reward runs: the trainer's rank 0, or the engine process (with engine_process)",
+        "reward", "placement")
+    reward_on_error: Literal["raise", "skip"] = _f("raise", "a failing reward: stop cleanly, or skip that "
+                                                            "prompt's group", "reward", "on_error")
 
     # -- checks ---------------------------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Invalid combinations raise; parity-breaking ones warn (ParityConditionWarning)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _default_sde_steps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("num_sde_steps") is None:
+            steps = data.get("steps", cls.model_fields["steps"].default)
+            if isinstance(steps, str) and steps.strip().isdigit():  # as flags give it
+                steps = int(steps)
+            if isinstance(steps, int) and not isinstance(steps, bool):  # a bad `steps` is reported by its own check
+                data = {**data, "num_sde_steps": min(DEFAULT_NUM_SDE_STEPS, steps)}
+        return data
+
+    @field_validator("lora_target_modules", "disable_patch", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "TrainConfig":
+        errors = self.combination_errors()
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    def combination_errors(self) -> list[str]:
         errors = []
         if self.n_samples_per_prompt % self.rollout_microgroup_size:
             errors.append(f"--n-samples-per-prompt {self.n_samples_per_prompt} must be a multiple of "
                           f"--rollout-microgroup-size {self.rollout_microgroup_size}")
-        if not 1 <= self.num_sde_steps <= self.steps:
-            errors.append(f"--num-sde-steps must be in 1..--steps ({self.steps})")
-        if self.n_samples_per_prompt < 2:
-            errors.append("--n-samples-per-prompt must be >= 2: GRPO normalises rewards within a group")
+        if self.num_sde_steps is not None and self.num_sde_steps > self.steps:
+            errors.append(f"--num-sde-steps {self.num_sde_steps} must be in 1..--steps ({self.steps})")
+        if self.sde_window is not None:
+            lo, hi = self.sde_window
+            if not (0 <= lo < hi <= self.steps and hi - lo >= (self.num_sde_steps or 0)):
+                errors.append(f"--sde-window {lo},{hi} must satisfy 0 <= lo < hi <= --steps ({self.steps}) and "
+                              f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
-        if self.kl_beta and not self.use_lora:
-            errors.append("--kl-beta needs a LoRA: the reference policy is the LoRA-disabled base")
         if self.reward_placement == "engine" and not self.engine_process:
             errors.append("--reward-placement engine needs --engine-process (without it the engine runs in the "
                           "trainer's process, which is --reward-placement trainer)")
         if self.resolution % 16:
             errors.append(f"--resolution {self.resolution} must be a multiple of 16")
-        if self.micro_batch_size_sample < 1 or self.micro_batch_size_tstep < 1:
-            errors.append("micro-batch sizes must be >= 1")
-        if self.num_steps_per_rollout < 1 or self.num_rollouts < 1:
-            errors.append("--num-rollouts and --num-steps-per-rollout must be >= 1")
-        if errors:
-            raise ValueError("invalid settings:\n  " + "\n  ".join(errors))
+        if self.disable_patch and self.rollout_patch_group == "none":
+            errors.append("--disable-patch needs a patch group; --patch-group none applies no patches")
+        return errors
+
+    def validate(self) -> None:
+        """Everything not checked on construction (the patch group's names, which import the model family), then
+        one ParityConditionWarning per broken condition."""
+        from ..patches import get_group
+
+        group = get_group(self.rollout_patch_group)  # raises with the known names
+        unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
+        if unknown:
+            raise ValueError(f"--disable-patch {', '.join(unknown)}: not a patch of group {self.rollout_patch_group!r} "
+                             f"(its patches: {', '.join(group.patch_names)})")
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
 
     def parity_warnings(self) -> list[str]:
-        """One message per broken condition of DESIGN 3 (the recipe recipes/bitwise-aligned.yaml breaks none)."""
+        """One message per broken condition of bitwise parity (docs/patch-group.md; recipes/bitwise-aligned.yaml
+        breaks none)."""
         out = []
         if self.rollout_patch_group == "none":
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
@@ -187,9 +207,214 @@ class TrainConfig:
                        "unmerged forward")
         return out
 
+    # -- the sectioned form ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Flat, JSON-able (what a checkpoint records)."""
+        return self.model_dump(mode="json")
 
-_SCALAR_TYPES = {"int": int, "float": float, "tuple[int, int]": int}  # annotation (before "| None") -> flag type
+    def to_nested(self) -> dict:
+        """The sectioned form, as YAML and flags name it; `from_nested(cfg.to_nested()) == cfg`."""
+        out: dict[str, Any] = {s: {} for s in SECTIONS}
+        for name, value in self.to_dict().items():
+            section, key = LOCATIONS[name]
+            (out[section] if section else out)[key] = value
+        return {**{k: v for k, v in out.items() if k not in SECTIONS}, **{s: out[s] for s in SECTIONS}}
+
+    @classmethod
+    def from_nested(cls, data: dict, source: str = "settings") -> "TrainConfig":
+        return cls(**_flatten(data, source))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_nested(), sort_keys=False, allow_unicode=True)
 
 
-def _scalar_type(f: dataclasses.Field):
-    return _SCALAR_TYPES.get(str(f.type).split(" |")[0], str)
+# What a resumed run may change: where it writes, how long it runs, what it logs, where its parts run (placement
+# changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
+RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
+                               "debug", "engine_process", "reward_placement", "gradient_checkpointing"})
+RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
+
+
+def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    """(refused, warned) descriptions of the settings `cfg` changes from a checkpoint's recorded ones. A setting
+    the checkpoint does not record (it predates it) counts as its default."""
+    before = {**TrainConfig().to_dict(), **saved}
+    refused, warned = [], []
+    for name, value in cfg.to_dict().items():
+        if name not in RESUME_MAY_CHANGE and before[name] != value:
+            line = f"{_flag(*LOCATIONS[name])} {_show(value)} (the run has {_show(before[name])})"
+            (warned if name in RESUME_WARNS else refused).append(line)
+    return refused, warned
+
+
+def _show(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else "null" if v is None else str(v)
+
+
+def _location(name: str, f: FieldInfo) -> tuple[str | None, str]:
+    extra = f.json_schema_extra or {}
+    return extra["section"], extra["key"] or name
+
+
+LOCATIONS: dict[str, tuple[str | None, str]] = {n: _location(n, f) for n, f in TrainConfig.model_fields.items()}
+_FLAT_NAME = {loc: name for name, loc in LOCATIONS.items()}
+
+
+def _flatten(data: dict, source: str) -> dict:
+    """Sectioned settings -> TrainConfig's keyword arguments. `-` and `_` are the same in names."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping of settings (section: {{name: value}}), "
+                         f"got a {type(data).__name__}")
+    out, unknown = {}, []
+    for top, value in data.items():
+        top = str(top).replace("-", "_")
+        if top in SECTIONS:
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: {top} must be a section (a mapping of settings), "
+                                 f"got {value!r}")
+            for key, v in value.items():
+                name = _FLAT_NAME.get((top, str(key).replace("-", "_")))
+                (unknown.append(f"{top}.{key}") if name is None else out.__setitem__(name, v))
+        elif (None, top) in _FLAT_NAME:
+            out[top] = value
+        else:
+            unknown.append(top)
+    if unknown:
+        raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)} "
+                         f"(`trueflow train --print-config` lists every setting in its section)")
+    return out
+
+
+def _unflatten_flat_yaml(data: dict, source: str) -> dict:
+    """A flat file (`steps: 3`, `reward: pickscore`) in sections, with a warning naming the new places."""
+    nested: dict[str, Any] = {}
+    moved = []
+    for top, value in data.items():
+        name = str(top).replace("-", "_")
+        is_section = name in SECTIONS and isinstance(value, dict)
+        if is_section or name not in LOCATIONS or LOCATIONS[name][0] is None:
+            if is_section:
+                nested.setdefault(name, {}).update(value)
+            else:
+                nested[name] = value
+            continue
+        section, key = LOCATIONS[name]
+        nested.setdefault(section, {})[key] = value
+        moved.append(f"{top} -> {section}.{key}")
+    if moved:
+        warnings.warn(f"{source} is a flat settings file; read as {', '.join(moved)}. Write settings in their "
+                      "sections (`trueflow train --print-config` prints the layout)", FlatConfigWarning, stacklevel=3)
+    return nested
+
+
+def load_yaml(path: str) -> dict:
+    """A YAML settings file as sections (a flat file is converted, with a FlatConfigWarning)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {path}: no such file" + (" (it is a folder)" if p.is_dir() else ""))
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"--config {path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of settings (section: {{name: value}}), got a "
+                         f"{type(data).__name__}")
+    return _unflatten_flat_yaml(data, f"--config {path}")
+
+
+# -- the command line --------------------------------------------------------------------------------------------
+_DESTS = {f"{section}.{key}" if section else key for section, key in LOCATIONS.values()}
+
+
+def _flag(section: str | None, key: str) -> str:
+    return "--" + (f"{section}." if section else "") + key.replace("_", "-")
+
+
+def _settings_class() -> type:
+    """TrainConfig in sections, for pydantic-settings to build flags from (the checks stay in TrainConfig)."""
+    from pydantic_settings import BaseSettings
+
+    sections: dict[str, dict] = {s: {} for s in SECTIONS}
+    top: dict[str, Any] = {}
+    for name, f in TrainConfig.model_fields.items():
+        section, key = LOCATIONS[name]
+        field = (f.annotation, Field(f.default, description=f.description))
+        (sections[section] if section else top)[key] = field
+    for s, fields in sections.items():
+        model = create_model(s.capitalize(), __config__=ConfigDict(extra="forbid"), **fields)
+        top[s] = (model, Field(default_factory=model, description=f"{s} settings"))
+    return create_model("TrainSettings", __base__=BaseSettings, **top)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> Any:
+    """Adds `--config`, `--print-config` and every setting (`--section.key`, with its flat alias) to `p`; returns
+    the pydantic-settings source that reads them back (`config_from_args`)."""
+    from pydantic_settings import CliSettingsSource
+
+    p.add_argument("--config", metavar="YAML", help="settings file (sections as --print-config writes them; flags "
+                   "override it)")
+    p.add_argument("--print-config", action="store_true", help="print the settings as YAML and exit (`--config` "
+                   "loads that back)")
+    shortcuts = {}
+    for name, (section, key) in LOCATIONS.items():
+        flat = [_flag(None, name)] + (["--patch-group"] if name == "rollout_patch_group" else [])
+        flat = [a.removeprefix("--") for a in flat if a != _flag(section, key)]
+        if name in SECTIONS:  # --checkpoint and --reward: the section names, added by hand below
+            continue
+        if flat:
+            shortcuts[_flag(section, key).removeprefix("--")] = flat
+    for name in SECTIONS:
+        if name in LOCATIONS:
+            section, key = LOCATIONS[name]
+            p.add_argument(_flag(None, name), dest=f"{section}.{key}", default=argparse.SUPPRESS, metavar="VALUE",
+                           help=f"{TrainConfig.model_fields[name].description} (alias of {_flag(section, key)})")
+    return CliSettingsSource(_settings_class(), root_parser=p, cli_kebab_case=True, cli_implicit_flags=True,
+                             cli_avoid_json=True, cli_shortcuts=shortcuts, cli_parse_none_str="null",
+                             add_argument_method=_add_setting_argument)
+
+
+def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:
+    """pydantic-settings' add_argument, less its `--SECTION JSON` flags: --checkpoint and --reward are the flat
+    aliases of model.checkpoint and reward.name, and every setting of a section has its own flag."""
+    if kwargs.get("dest") not in SECTIONS:
+        parser.add_argument(*names, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, source: Any) -> TrainConfig:
+    """defaults < --config file < flags."""
+    nested = load_yaml(args.config) if getattr(args, "config", None) else {}
+    flags = source(parsed_args={k: v for k, v in vars(args).items() if k in _DESTS})()
+    for key, value in flags.items():
+        if isinstance(value, dict) and isinstance(nested.get(key), dict):
+            nested[key] = {**nested[key], **value}
+        else:
+            nested[key] = value
+    return TrainConfig.from_nested(nested)
+
+
+def config_from_argv(argv: list[str]) -> TrainConfig:
+    """`trueflow train ARGV`'s settings (for scripts and tests)."""
+    p = argparse.ArgumentParser(prog="trueflow train")
+    source = add_arguments(p)
+    return config_from_args(p.parse_args(argv), source)
+
+
+def format_error(e: ValidationError) -> str:
+    """A pydantic error as one line naming each bad setting as YAML and flags spell it."""
+    parts = []
+    for err in e.errors():
+        loc = err["loc"]
+        name = str(loc[0]) if loc else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if name in LOCATIONS:
+            section, key = LOCATIONS[name]
+            where = (f"{section}." if section else "") + key + "".join(f"[{i}]" for i in loc[1:])
+            parts.append(f"{where} = {err['input']!r}: {msg} (set {_flag(section, key)} or `{where}` in --config)")
+        else:
+            parts.append(msg)
+    return "invalid settings: " + "; ".join(parts)

@@ -2,42 +2,83 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
+from . import checkpoint as ckpt
+from .config import TrainConfig, resume_changes
 from .dist import init_distributed
+from .prompts import load_prompts
 
 DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
 
 def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
-    """No --checkpoint: make (once) and use the tiny one, so `trueflow train` runs with no arguments."""
-    if cfg.checkpoint is not None:
-        return
-    cfg.checkpoint = str(DEFAULT_CHECKPOINT)
-    if is_main and not (DEFAULT_CHECKPOINT / "model_index.json").is_file():
+    """The default checkpoint: made once, so `trueflow train` runs with no arguments."""
+    if is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "model_index.json").is_file():
         from ..checkpoints.qwen_image import init_checkpoint
 
         init_checkpoint(DEFAULT_CHECKPOINT, seed=0, overwrite=True)
         print(f"made the tiny demo checkpoint {DEFAULT_CHECKPOINT}")
 
 
+def _check_before_loading(cfg: TrainConfig) -> tuple | None:
+    """Every check that needs no model, so a mistake costs no loading time. Returns the checkpoint to resume from
+    (`checkpoint.load_latest`), if any."""
+    cfg.validate()
+    load_prompts(cfg.prompts)
+    if cfg.checkpoint is None:
+        cfg.checkpoint = str(DEFAULT_CHECKPOINT)
+    elif not Path(cfg.checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: no such folder (a diffusers pipeline folder; "
+                                "leave it unset for the tiny demo checkpoint)")
+    _check_schedule(cfg)
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--output-dir {out} is a file: name a folder")
+    if not cfg.resume and (out / "metrics.jsonl").exists():
+        raise FileExistsError(f"{out} holds a run: use --resume to continue it, or another --output-dir")
+    resumed = ckpt.load_latest(out) if cfg.resume else None
+    if resumed is not None:
+        path, _, _, state = resumed
+        refused, warned = resume_changes(state.get("config", {}), cfg)
+        if refused:
+            raise ValueError(f"--resume: {'; '.join(refused)} would change the run's math; resume with the run's "
+                             f"settings (recorded in {path / 'trainer_state.json'}), or start a new --output-dir")
+        for line in warned:
+            warnings.warn(f"--resume with {line}: the numerics may differ in the last bits", stacklevel=2)
+    return resumed
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """The engine's schedule for these steps, computed now from the checkpoint's scheduler config (no model)."""
+    from ..engine.schedule import QWEN_IMAGE_SCHEDULER_CONFIG, qwen_image_schedule
+
+    path = Path(cfg.checkpoint) / "scheduler" / "scheduler_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else QWEN_IMAGE_SCHEDULER_CONFIG  # the tiny one's
+    try:
+        with np.errstate(invalid="ignore", divide="ignore"):  # the failure is reported below, once
+            qwen_image_schedule(config, cfg.steps, (cfg.resolution // 16) ** 2)
+    except ValueError as e:  # one step under Qwen-Image's terminal stretch (shift_terminal) divides by zero
+        raise ValueError(f"--steps {cfg.steps}: {e} (Qwen-Image's scheduler stretches its sigmas to a terminal "
+                         "value, which takes at least 2 steps); use more --steps") from None
+
+
 def run_training(cfg: TrainConfig) -> Path | None:
     """Runs on every rank; returns the run folder on rank 0, None elsewhere."""
-    cfg.validate()
-    if not cfg.resume and (Path(cfg.output_dir) / "metrics.jsonl").exists():  # before anything heavy starts
-        raise FileExistsError(f"{cfg.output_dir} holds a run: use --resume to continue it, or another --output-dir")
+    resumed = _check_before_loading(cfg)
     ctx = init_distributed(cfg.device)
+    engine = reward = None
     try:
         _ensure_checkpoint(cfg, ctx.is_main)
         if ctx.world > 1:
             dist.barrier()
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
-        engine = reward = None
         if ctx.is_main:
             engine = _start_engine(cfg, dtype, ctx.device)
             if not (cfg.engine_process and cfg.reward_placement == "engine"):
@@ -46,11 +87,11 @@ def run_training(cfg: TrainConfig) -> Path | None:
                 reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device))
         from .trainer import Trainer
 
-        Trainer(cfg, ctx, engine, reward).run()
-        if ctx.is_main and hasattr(engine, "close"):
-            engine.close()
+        Trainer(cfg, ctx, engine, reward, resumed).run()
         return Path(cfg.output_dir) if ctx.is_main else None
-    finally:
+    finally:  # also when the run stops on an error: the engine process ends with it
+        if hasattr(engine, "close"):
+            engine.close()
         dist.destroy_process_group()
 
 

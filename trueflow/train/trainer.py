@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from ..engine.guidance import true_cfg
 from ..engine.samplers import cps_log_prob, sde_log_prob
+from ..rewards.base import RewardError, score
 from ..rl.advantages import group_advantages
 from ..rl.loss import kl_penalty, ppo_clip_loss
 from ..sync.checksum import tensors_checksum
@@ -38,9 +39,10 @@ class StepState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine, reward):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine, reward, resumed: tuple | None = None):
         """`engine`: an in-process `Engine` or an `EngineClient` (rank 0 only; None elsewhere); `reward`: a reward
-        callable (rank 0 only)."""
+        callable (rank 0 only); `resumed`: with `cfg.resume`, what `checkpoint.load_latest` read (None: start
+        over)."""
         self.cfg, self.ctx, self.engine, self.reward = cfg, ctx, engine, reward
         self.out = Path(cfg.output_dir)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
@@ -54,7 +56,7 @@ class Trainer:
         self.saved_step: int | None = None
         keep = None
         if cfg.resume:
-            keep = self._resume()
+            keep = self._resume(resumed)
         self.metrics = MetricsWriter(self.out / "metrics.jsonl",
                                      self.out / "tensorboard" if cfg.tensorboard else None,
                                      keep_lines=keep) if ctx.is_main else None
@@ -79,27 +81,35 @@ class Trainer:
                    for i in range(cfg.rollout_batch_size)]
         payload = None
         if self.ctx.is_main:
-            t0 = time.perf_counter()
-            sample_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
-            args = (prompts, cfg.n_samples_per_prompt, self.sampling_params(), cfg.seed * 1_000_003 + index)
-            if self.reward is None:  # placed in the engine process: one round trip, times not split
-                rollout, rewards, dropped = self.engine.rollout_scored(*args, cfg.debug, sample_prompts,
-                                                                       cfg.reward_on_error)
-                t1 = time.perf_counter()
-            else:
-                rollout = self.engine.rollout(*args, record_snapshot=cfg.debug)
-                t1 = time.perf_counter()
-                from ..rewards.base import score
-
-                rewards, dropped = score(self.reward, rollout.images, sample_prompts, on_error=cfg.reward_on_error)
-            t2 = time.perf_counter()
-            if cfg.debug:
-                from ..engine.snapshot import save_snapshot
-
-                save_snapshot(rollout, self.out / "snapshots" / f"rollout-{index:05d}.safetensors")
-            payload = (rollout, rewards, dropped, {"time_rollout": t1 - t0, "time_reward": t2 - t1})
+            try:
+                payload = self._rollout_on_main(index, prompts)
+            except RewardError as e:  # every rank stops, not only rank 0
+                payload = ("reward failed", e.reward, e.prompts, e.reason)
         # Over the wire on the CPU: unpickled on another rank, a CUDA tensor would land on rank 0's GPU.
-        return broadcast_object(to_cpu(payload)) if self.ctx.world > 1 else payload
+        payload = broadcast_object(to_cpu(payload)) if self.ctx.world > 1 else payload
+        if isinstance(payload[0], str):
+            raise RewardError(*payload[1:])
+        return payload
+
+    def _rollout_on_main(self, index: int, prompts: list[str]):
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        sample_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
+        args = (prompts, cfg.n_samples_per_prompt, self.sampling_params(), cfg.seed * 1_000_003 + index)
+        if self.reward is None:  # placed in the engine process: one round trip, times not split
+            rollout, rewards, dropped = self.engine.rollout_scored(*args, cfg.debug, sample_prompts,
+                                                                   cfg.reward_on_error)
+            t1 = time.perf_counter()
+        else:
+            rollout = self.engine.rollout(*args, record_snapshot=cfg.debug)
+            t1 = time.perf_counter()
+            rewards, dropped = score(self.reward, rollout.images, sample_prompts, on_error=cfg.reward_on_error)
+        t2 = time.perf_counter()
+        if cfg.debug:
+            from ..engine.snapshot import save_snapshot
+
+            save_snapshot(rollout, self.out / "snapshots" / f"rollout-{index:05d}.safetensors")
+        return rollout, rewards, dropped, {"time_rollout": t1 - t0, "time_reward": t2 - t1}
 
     def sampling_params(self):
         from ..engine.engine import SamplingParams
@@ -240,13 +250,12 @@ class Trainer:
         if self.ctx.world > 1:
             dist.barrier()
 
-    def _resume(self) -> int | None:
+    def _resume(self, resumed: tuple | None) -> int | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        path = ckpt.latest_checkpoint(self.out)
-        if path is None:
+        if resumed is None:
             return 0  # nothing saved yet: start over, dropping any metrics of the killed run
-        lora, extra, state = ckpt.load_checkpoint(path)
+        _, lora, extra, state = resumed
         with torch.no_grad():
             for name, p in lora_parameters(self.model).items():
                 full = lora[name].to(p.device)
