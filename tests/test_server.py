@@ -312,12 +312,12 @@ def test_an_update_never_lands_inside_a_rollout(fresh_url, reference):
 
 # -- the command line, in another process: IPC handles really cross a process boundary --------------------------
 @contextlib.contextmanager
-def serve_subprocess(checkpoint):
+def serve_subprocess(checkpoint, *flags: str):
     with socket.socket() as s:  # a free port for the subprocess (a race with other processes is unlikely)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([str(TRUEFLOW_EXE), "serve", "--checkpoint", str(checkpoint), "--port", str(port),
-                             "--threads", str(TEST_THREADS), "--max-batch", "4"],
+                             "--threads", str(TEST_THREADS), *flags],
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -330,14 +330,14 @@ def serve_subprocess(checkpoint):
                 break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(10)
 
 
 def test_serve_cli_weight_updates_across_processes(tiny_checkpoint, reference):
-    with serve_subprocess(tiny_checkpoint) as url:
+    with serve_subprocess(tiny_checkpoint, "--max-batch", "4") as (url, _proc):
         health = httpx.get(f"{url}/health").json()
         assert (health["threads"], health["limits"]["max_samples"], health["patch_group"]) == (TEST_THREADS, 4, "none")
         base = checksums(url)
