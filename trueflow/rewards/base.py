@@ -4,7 +4,8 @@ A spec is a registered name (`redness`), a weighted sum (`pickscore:1.0,ocr:0.5`
 (`my.module:function`, optionally weighted: `my.module:function:0.5`) or a reward server's URL
 (`http://127.0.0.1:8000`, see `trueflow reward-serve`). A model path is one path for every term that takes a
 model, or one per term (`pickscore=DIR,aesthetic=DIR2`); a `url` goes to the terms that take one (`vlm_judge`).
-`score` is what a trainer calls: it checks the output and turns any failure into a `RewardError` naming the reward and the prompt, or drops that prompt's group.
+`score` is what a trainer calls: it checks the output and turns any failure into a `RewardError` naming the reward
+and the prompt, or drops that prompt's group.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .aesthetic import Aesthetic
 from .clip_score import ClipScore
+from .hps import HPSv2
 from .jpeg import JpegSize
 from .ocr import OcrReward
 from .pickscore import PickScore
@@ -60,6 +62,7 @@ REWARDS: dict[str, RewardFactory] = {
     "ocr": OcrReward,
     "clip_score": ClipScore,
     "aesthetic": Aesthetic,
+    "hpsv2": HPSv2,
     "vlm_judge": _vlm_judge,
 }
 _FACTORY_ARGS = ("model_path", "device", "url")

@@ -62,3 +62,68 @@ def init_tiny_aesthetic(out: str | Path, seed: int = 0, image_size: int = 32) ->
         state[f"layers.{index}.bias"] = (torch.rand(n_out, generator=generator) * 2 - 1) * bound
     torch.save(state, out / "sac+logos+ava1-l14-linearMSE.pth")
     return out
+
+
+def tiny_open_clip_config(vocab_size: int, image_size: int = 32) -> dict:
+    """An open_clip `model_cfg` of ViT-H-14's shape (pre-LN ViT, exact GELU, heads from head_width), tiny."""
+    return {"embed_dim": 16,
+            "vision_cfg": {"image_size": image_size, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
+            "text_cfg": {"context_length": 77, "vocab_size": vocab_size, "width": 32, "heads": 2, "layers": 2}}
+
+
+def open_clip_state_dict(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under open_clip's CLIP state-dict names and shapes (as open_clip's `CLIP(**cfg)` has them)."""
+    vision, text, embed = cfg["vision_cfg"], cfg["text_cfg"], cfg["embed_dim"]
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+
+    def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std + mean
+
+    def norm(name: str, width: int) -> None:
+        state[f"{name}.weight"], state[f"{name}.bias"] = randn(width, std=0.1, mean=1.0), randn(width, std=0.1)
+
+    def blocks(prefix: str, width: int, layers: int) -> None:
+        for i in range(layers):
+            b = f"{prefix}.{i}"
+            norm(f"{b}.ln_1", width)
+            norm(f"{b}.ln_2", width)
+            linears = (("attn.in_proj", 3 * width, width, 0.2), ("attn.out_proj", width, width, 0.2),
+                       ("mlp.c_fc", 4 * width, width, 0.2), ("mlp.c_proj", width, 4 * width, 0.1))
+            for name, n_out, n_in, std in linears:
+                # nn.MultiheadAttention names its fused input projection in_proj_weight / in_proj_bias
+                sep = "_" if name == "attn.in_proj" else "."
+                state[f"{b}.{name}{sep}weight"] = randn(n_out, n_in, std=std)
+                state[f"{b}.{name}{sep}bias"] = randn(n_out)
+
+    w, grid = vision["width"], vision["image_size"] // vision["patch_size"]
+    state["visual.class_embedding"] = randn(w, std=0.5)
+    state["visual.positional_embedding"] = randn(grid * grid + 1, w, std=0.5)
+    state["visual.proj"] = randn(w, embed, std=0.2)
+    state["visual.conv1.weight"] = randn(w, 3, vision["patch_size"], vision["patch_size"], std=0.1)
+    norm("visual.ln_pre", w)
+    blocks("visual.transformer.resblocks", w, vision["layers"])
+    norm("visual.ln_post", w)
+    t = text["width"]
+    state["positional_embedding"] = randn(text["context_length"], t, std=0.5)
+    state["text_projection"] = randn(t, embed, std=0.2)
+    state["logit_scale"] = torch.tensor(2.6592)  # log(1 / 0.07), open_clip's init
+    state["token_embedding.weight"] = randn(text["vocab_size"], t, std=0.5)
+    blocks("transformer.resblocks", t, text["layers"])
+    norm("ln_final", t)
+    return state
+
+
+def init_tiny_hps(out: str | Path, seed: int = 0, image_size: int = 32) -> Path:
+    """A folder laid out as HPS v2.1 is used: `HPS_v2.1_compressed.pt` (`{"state_dict": open_clip weights}`), here
+    random and tiny, with `open_clip_config.json` (open_clip's hub layout) and a CLIP tokenizer (byte-level)."""
+    import json
+
+    tokenizer = _tokenizer()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_open_clip_config(len(tokenizer), image_size)
+    torch.save({"state_dict": open_clip_state_dict(cfg, seed)}, out / "HPS_v2.1_compressed.pt")
+    (out / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg}))
+    tokenizer.save_pretrained(out)
+    return out
