@@ -294,17 +294,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """Every verb; with `verb`, only that verb's options are built (another verb's may import heavy modules: the
+    reward registry imports torch), so a bad flag fails at once."""
     parser = _Parser(prog="trueflow", description="Online RL for flow-matching diffusion "
                      "transformers, with bitwise train/rollout parity.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for name, (help_text, add, _run) in VERBS.items():
-        add(sub.add_parser(name, help=help_text, description=help_text))
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if verb in (None, name):
+            add(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(verb if verb in VERBS else None).parse_args(argv)
     try:
         return VERBS[args.verb][2](args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one clear line, no traceback

@@ -19,8 +19,15 @@ DEMO_PROMPTS = (
 def load_prompts(path: str | None) -> list[str]:
     if path is None:
         return list(DEMO_PROMPTS)
-    lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompts {path}: " + ("a folder; name a text file, one prompt per line" if p.is_dir()
+                                                  else "no such file (a text file, one prompt per line)"))
+    try:
+        lines = [line.strip() for line in p.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {path}: not UTF-8 text (a text file, one prompt per line)") from None
     prompts = [line for line in lines if line]
     if not prompts:
-        raise ValueError(f"{path}: no prompts (one per line, blank lines ignored)")
+        raise ValueError(f"--prompts {path}: no prompts (one per line, blank lines ignored)")
     return prompts
