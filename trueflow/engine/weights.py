@@ -52,8 +52,9 @@ def resolve_lora_merge(model: QwenImageTransformer, requested: str | None) -> bo
 
 def update_lora(model: QwenImageTransformer, peft_state_dict: dict[str, torch.Tensor], scale: float,
                 merge_mode: str | None = None) -> None:
-    """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing (a bad update raises and leaves the
-    previous weights in place)."""
+    """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing: names, shapes and the values as the
+    engine's dtype holds them, scale included, are checked first (`set_lora`), and a bad update raises
+    WeightLoadError (a ValueError) naming every problem, with the previous weights left in place."""
     set_lora(model, parse_peft_state_dict(peft_state_dict), scale, merge=resolve_lora_merge(model, merge_mode))
 
 

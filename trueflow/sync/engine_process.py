@@ -21,6 +21,11 @@ class EngineProcessError(RuntimeError):
     pass
 
 
+class EngineRequestRefused(EngineProcessError, ValueError):
+    """The engine refused a request as invalid (a bad weight update, bad sampling params) and kept serving;
+    the message is the engine's ValueError, without the traceback. Nothing was applied."""
+
+
 def to_cpu(obj):
     """Tensors of a rollout (nested dataclasses, lists, dicts) moved to the CPU for the trip back."""
     if isinstance(obj, torch.Tensor):
@@ -44,15 +49,15 @@ def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, repli
 
         engine = Engine(*args)
         reward = build_reward(*reward_args) if reward_args is not None else None
-        replies.put((True, "ready"))
+        replies.put(("ok", "ready"))
     except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
-        replies.put((False, traceback.format_exc()))
+        replies.put(("failed", traceback.format_exc()))
         return
     while True:
         op, payload = requests.get()
         try:
             if op == "close":
-                replies.put((True, None))
+                replies.put(("ok", None))
                 return
             if op == "rollout":
                 value = to_cpu(engine.rollout(*payload))
@@ -70,9 +75,11 @@ def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, repli
                 value = engine.lora_checksum()
             else:
                 raise ValueError(f"unknown engine request {op!r}")
-            replies.put((True, value))
+            replies.put(("ok", value))
+        except ValueError as e:  # the request's fault: its reason is the message
+            replies.put(("refused", str(e)))
         except Exception:  # noqa: BLE001 - the engine keeps serving; the trainer raises
-            replies.put((False, traceback.format_exc()))
+            replies.put(("failed", traceback.format_exc()))
 
 
 class EngineClient:
@@ -95,12 +102,14 @@ class EngineClient:
     def _reply(self):
         while True:
             try:
-                ok, value = self.replies.get(timeout=1.0)
+                status, value = self.replies.get(timeout=1.0)
                 break
             except queue.Empty:
                 if not self.process.is_alive():
                     raise EngineProcessError(f"the engine process died (exit code {self.process.exitcode})")
-        if not ok:
+        if status == "refused":
+            raise EngineRequestRefused(value)
+        if status != "ok":
             raise EngineProcessError(f"the engine process failed:\n{value}")
         return value
 
@@ -117,7 +126,9 @@ class EngineClient:
                           sample_prompts, on_error)
 
     def update_lora(self, state: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> str:
-        """Send the LoRA as buckets of IPC handles; returns the engine's checksum once the update is in place."""
+        """Send the LoRA as buckets of IPC handles; returns the engine's checksum once the update is in place.
+        A bad update (names, shapes, values in the engine's dtype) raises EngineRequestRefused, a ValueError,
+        and leaves the engine's weights as they were."""
         buckets = pack(state, self.bucket_bytes)
         for b in buckets:
             if b.buffer.device.type == "cpu":
