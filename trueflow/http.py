@@ -16,7 +16,9 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float 
     test); yields the base URL once it accepts connections and stops it on exit. Port 0: the OS picks a free one."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    # On exit, requests still open after `timeout` are cancelled, so a stuck one cannot keep the thread alive.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=timeout))
     thread = threading.Thread(target=server.run, daemon=True, name="uvicorn")
     thread.start()
     deadline = time.monotonic() + timeout

@@ -365,7 +365,7 @@ def _validate(model: type[_M], body: Any) -> _M:
                                    param=str(names[0])) from None
         name = errors[0]["loc"][0]
         raise RequestError(f"field {name!r} must be {_type_name(model.model_fields[name].annotation)}, got "
-                           f"{type(body[name]).__name__} {body[name]!r:.100}", param=name) from None
+                           f"{type(body.get(name)).__name__} {body.get(name)!r:.100}", param=name) from None
     seed = getattr(out, "seed", None)
     if seed is not None and not -2**63 <= seed < 2**63:  # seeds are hashed as signed 64-bit integers
         raise RequestError(f"field 'seed' must fit a signed 64-bit integer, got {seed}", param="seed")
