@@ -28,5 +28,5 @@ def test_real_width_block_bitwise_on_cuda():
     probe = ParityProbe(ProbeSpec(random_size="one_block", batch=4, text_len=128, resolution=512, lora_rank=64,
                                   device="cuda"))
     assert probe.run("qwen_image")[0].bitwise_equal
-    for patch in ("contiguous_split", "flash_attention"):
+    for patch in ("contiguous_split", "attention_kernel"):
         assert not probe.run("qwen_image", (patch,))[0].bitwise_equal, patch

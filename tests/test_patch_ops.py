@@ -1,7 +1,7 @@
 """Each op of the `qwen_image` rollout patch group against the diffusers code it mirrors, bitwise, on random bf16
 inputs; and for each rounding patch, the engine's fast (unpatched) op on the same input differs from diffusers.
 
-Kernel-selection patches (contiguous_split, unpacked_qkv, flash_attention): only contiguous_split has a CPU
+Kernel-selection patches (contiguous_split, unpacked_qkv, attention_kernel): only contiguous_split has a CPU
 difference to show (a strided slice runs another GEMM at batch > 1). Packed vs separate q/k/v GEMMs and the
 flash kernel vs PyTorch's own SDPA choice are bitwise equal on this CPU, so for those two only the equality side
 is tested (their differences are GPU kernel choices: DESIGN 3).
@@ -421,7 +421,7 @@ def test_joint_attention_module(tiny_bf16, batch):
     img_out, txt_out = run()
     assert_bitwise(img_out, img_ref, "image stream")
     assert_bitwise(txt_out, txt_ref, "text stream")
-    for disabled in ("unpacked_qkv", "flash_attention"):  # kernel choices with no difference on this CPU
+    for disabled in ("unpacked_qkv", "attention_kernel"):  # kernel choices with no difference on this CPU
         i2, t2 = run((disabled,))
         assert_bitwise(i2, img_ref, f"without {disabled}")
         assert_bitwise(t2, txt_ref, f"without {disabled}")
@@ -440,20 +440,20 @@ def test_group_installs_the_reference_ops():
     config = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 32, "joint_attention_dim": 48,
               "axes_dims_rope": (8, 12, 12)}
     expect = {  # module type -> (attribute, fast value, patched value, patch name)
-        RMSNorm: ("impl", rms_norm_fused, P.rms_norm_reference, "rms_norm"),
-        LayerNormScaleShift: ("impl", layer_norm_scale_shift_fused, P.layer_norm_scale_shift_reference,
+        RMSNorm: ("impl", rms_norm_fused, P.rms_norm_exact, "rms_norm"),
+        LayerNormScaleShift: ("impl", layer_norm_scale_shift_fused, P.layer_norm_scale_shift_exact,
                               "layer_norm_scale_shift"),
         ScaleResidualLayerNormScaleShift: ("impl", scale_residual_layer_norm_scale_shift_fused,
-                                           P.scale_residual_layer_norm_scale_shift_reference,
+                                           P.scale_residual_layer_norm_scale_shift_exact,
                                            "scale_residual_layer_norm_scale_shift"),
-        MulAdd: ("impl", mul_add_fused, P.mul_add_reference, "mul_add"),
-        QKNormRope: ("impl", qk_norm_rope_fused, P.qk_norm_rope_reference, "qk_norm_rope"),
+        MulAdd: ("impl", mul_add_fused, P.mul_add_exact, "mul_add"),
+        QKNormRope: ("impl", qk_norm_rope_fused, P.qk_norm_rope_exact, "qk_norm_rope"),
         RotaryEmbedding: ("impl", rope_tables_fused, P.rope_tables_reference, "qk_norm_rope"),
         TimestepEmbedding: ("proj_impl", timestep_proj_fused, P.timestep_proj_reference, "timestep_dtype"),
         Linear: ("unpacked", False, True, "unpacked_qkv"),
         QwenImageTransformer: ("lora_merge", True, False, "lora_unmerged"),
     }
-    joint = {"contiguous_split": ("contiguous_split", False, True), "flash_attention": ("backend", "sdpa", "flash")}
+    joint = {"contiguous_split": ("contiguous_split", False, True), "attention_kernel": ("backend", "sdpa", "flash")}
     assert set(P.GROUP.patch_names) == {v[3] for v in expect.values()} | set(joint)
     for disabled in [()] + [(p,) for p in P.GROUP.patch_names] + [None]:
         model = build_model(config, device="meta")

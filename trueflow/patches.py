@@ -35,12 +35,15 @@ class PatchGroup:
 
 
 def get_group(name: str) -> PatchGroup | None:
-    """The group of that name, or None for "none"."""
+    """The group of that name, or None for "none". `family:backend` (e.g. `qwen_image:_native_cudnn`) is the family's
+    group for a train side running that diffusers attention backend (the module's `make_group`)."""
     if name == "none":
         return None
-    if name not in _GROUP_MODULES:
+    family, _, train_backend = name.partition(":")
+    if family not in _GROUP_MODULES:
         raise ValueError(f"unknown patch group {name!r}; choose one of {', '.join(GROUP_NAMES)}")
-    return importlib.import_module(_GROUP_MODULES[name]).GROUP
+    module = importlib.import_module(_GROUP_MODULES[family])
+    return module.make_group(train_backend) if train_backend else module.GROUP
 
 
 def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:

@@ -33,17 +33,23 @@ def rope_tables_fused(positions: torch.Tensor, axes_dim: tuple[int, ...], theta:
     return RopeTables(cos=a.cos(), sin=a.sin())
 
 
-def qk_norm_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables) -> torch.Tensor:
-    """RMS-normalise each head and rotate it, all in fp32, rounding once. x: [B, S, H, D]. A Triton kernel on CUDA,
-    this PyTorch code elsewhere."""
+def into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`y`, or `y` copied into `out` (a view of the joint attention buffer) when one is given."""
+    return y if out is None else out.copy_(y)
+
+
+def qk_norm_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMS-normalise each head and rotate it, all in fp32, rounding once. x: [B, S, H, D]; the result goes into
+    `out` (a [B, S, H, D] view) if given. A Triton kernel on CUDA, this PyTorch code elsewhere."""
     if kernels.use_triton(x):
-        return kernels.ops().qk_norm_rope(x, weight, eps, tables.cos, tables.sin)
+        return kernels.ops().qk_norm_rope(x, weight, eps, tables.cos, tables.sin, out)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     cos, sin = tables.cos[:, None, :], tables.sin[:, None, :]
     x_even, x_odd = xf[..., 0::2], xf[..., 1::2]
-    out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    y = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
+    return into(y.to(x.dtype), out)
 
 
 class QKNormRope(nn.Module):
@@ -55,5 +61,6 @@ class QKNormRope(nn.Module):
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.impl = qk_norm_rope_fused
 
-    def forward(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        return self.impl(x, self.weight, self.eps, tables)
+    def forward(self, x: torch.Tensor, tables: RopeTables, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Into `out` (a [B, S, H, D] view, e.g. this stream's rows of the joint q or k buffer) if given."""
+        return self.impl(x, self.weight, self.eps, tables, out)

@@ -1,8 +1,13 @@
 """The `qwen_image` rollout patch group: the engine's Qwen-Image numerics made bitwise equal to the train side.
 
-The train side is diffusers' `QwenImageTransformer2DModel` in bf16 without autocast (DESIGN 3b). Every function
+The train side is diffusers' `QwenImageTransformer2DModel` in bf16 without autocast. Every `*_reference` function
 here re-implements, op for op, the arithmetic diffusers runs, including each intermediate rounding to bf16;
 tests compare each one with the diffusers function it mirrors. Nothing is imported from diffusers.
+
+What the patches install are the `*_exact` functions: on CUDA in bf16 they run the eager-exact Triton kernels
+(`kernels/triton_ops.py`, `*_eager_bf16`), which round after every op as the reference does, with the reductions
+(LayerNorm, the RMS variance) left to the same PyTorch calls; elsewhere, or with `TRUEFLOW_TRITON=0`, the reference
+itself. Either way the bits are the reference's.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ... import kernels
 from ...layers.linear import Linear
 from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
-from ...layers.rope import QKNormRope, RopeTables
+from ...layers.rope import QKNormRope, RopeTables, into
 from ...patches import Patch, PatchGroup
 from .transformer import JointAttention, QwenImageTransformer, RotaryEmbedding, TIMESTEP_CHANNELS, TimestepEmbedding
 
@@ -79,11 +85,53 @@ def rope_tables_reference(positions: torch.Tensor, axes_dim, theta, device) -> R
     return RopeTables(freqs=torch.cat(cols, dim=-1).to(device))
 
 
-def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables) -> torch.Tensor:
-    """diffusers: RMSNorm (rounded to bf16), then rotation as a complex multiplication in fp32, `.type_as(x)`."""
+def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers: RMSNorm (rounded to bf16), then rotation as a complex multiplication in fp32, `.type_as(x)`
+    (copied into `out`, a view of the joint attention buffer, if given: the values of diffusers' torch.cat)."""
     x = rms_norm_reference(x, weight, eps)
     x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(x_c * tables.freqs.unsqueeze(1)).flatten(3).type_as(x)
+    return into(torch.view_as_real(x_c * tables.freqs.unsqueeze(1)).flatten(3).type_as(x), out)
+
+
+# -- the exact functions the group installs: Triton kernels on CUDA, the reference elsewhere -------------------------
+def _exact_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the eager-exact kernels run: CUDA, Triton on (`kernels.use_triton`), and bf16 throughout (the kernels
+    round to bf16; any other dtype takes the reference)."""
+    return kernels.use_triton(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def rms_norm_exact(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _exact_kernels(x, weight) and x.dim() in (3, 4):
+        return kernels.ops().rms_norm_eager_bf16(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
+    """PyTorch's LayerNorm itself (a reduction), then the modulation's three roundings in one kernel."""
+    if _exact_kernels(x, shift, scale):
+        return kernels.ops().scale_shift_eager_bf16(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
+    return layer_norm_scale_shift_reference(x, shift, scale, eps)
+
+
+def mul_add_exact(a, b, c, k: float) -> torch.Tensor:
+    if _exact_kernels(a, b, c):
+        return kernels.ops().mul_add_eager_bf16(a, b, c, k)
+    return mul_add_reference(a, b, c, k)
+
+
+def scale_residual_layer_norm_scale_shift_exact(residual, y, gate, shift, scale, eps: float):
+    """`residual + gate·y` is `mul_add` with k = 0 (the product commutes exactly); the norm reads the rounded sum."""
+    r = mul_add_exact(y, gate, residual, 0.0)
+    return r, layer_norm_scale_shift_exact(r, shift, scale, eps)
+
+
+def qk_norm_rope_exact(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """One kernel writes the normed, rotated heads straight into `out` (the joint buffer's rows) on CUDA."""
+    if _exact_kernels(x, weight):
+        return kernels.ops().rms_norm_eager_bf16(x, weight, eps, tables.freqs, out, complex_fma=True)
+    return qk_norm_rope_reference(x, weight, eps, tables, out)
 
 
 # -- timestep ------------------------------------------------------------------------------------------------
@@ -112,28 +160,45 @@ def _set(kind: type, attr: str, value):
 
 def _qk_norm_rope(model: torch.nn.Module) -> None:
     _set(RotaryEmbedding, "impl", rope_tables_reference)(model)
-    _set(QKNormRope, "impl", qk_norm_rope_reference)(model)
+    _set(QKNormRope, "impl", qk_norm_rope_exact)(model)
 
 
-GROUP = PatchGroup("qwen_image", (
-    Patch("rms_norm", "RMSNorm rounds x·rsqrt to bf16 before the weight multiply",
-          _set(RMSNorm, "impl", rms_norm_reference)),
-    Patch("layer_norm_scale_shift", "bf16 LayerNorm, then (1+scale), ·, +shift each rounded",
-          _set(LayerNormScaleShift, "impl", layer_norm_scale_shift_reference)),
-    Patch("scale_residual_layer_norm_scale_shift", "residual + gate·y rounded twice; the norm reads the rounded residual",
-          _set(ScaleResidualLayerNormScaleShift, "impl", scale_residual_layer_norm_scale_shift_reference)),
-    Patch("mul_add", "eager bf16 c + a·(k+b) instead of one fp32 rounding",
-          _set(MulAdd, "impl", mul_add_reference)),
-    Patch("qk_norm_rope", "qk-norm rounded to bf16, then complex-multiplication RoPE from diffusers-built tables",
-          _qk_norm_rope),
-    Patch("contiguous_split", "joint-attention output slices made contiguous before to_out/to_add_out",
-          _set(JointAttention, "contiguous_split", True)),
-    Patch("unpacked_qkv", "separate q/k/v GEMMs with the bias in the same call",
-          _set(Linear, "unpacked", True)),
-    Patch("timestep_dtype", "the timestep as the pipeline passes it, t.to(bf16)/1000, before the fp32 sinusoid",
-          _set(TimestepEmbedding, "proj_impl", timestep_proj_reference)),
-    Patch("flash_attention", "the SDPA flash kernel pinned, as the train side's `_native_flash` backend",
-          _set(JointAttention, "backend", "flash")),
-    Patch("lora_unmerged", "LoRA updates stay unmerged, evaluated in PEFT's order: (W x + b) + scale·B(A x)",
-          _set(QwenImageTransformer, "lora_merge", False)),
-))
+# The train side's diffusers attention backend -> the engine kernel whose forward is bitwise that backend's.
+TRAIN_ATTENTION_KERNELS = {"_native_flash": "flash", "_native_cudnn": "cudnn"}
+DEFAULT_TRAIN_ATTENTION_BACKEND = "_native_flash"
+
+
+def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -> PatchGroup:
+    """The group for a train side that runs diffusers' attention backend `train_attention_backend`: the
+    `attention_kernel` patch pins the kernel that backend runs; every other patch is the same."""
+    if train_attention_backend not in TRAIN_ATTENTION_KERNELS:
+        raise ValueError(f"no engine attention kernel reproduces the train backend {train_attention_backend!r}; "
+                         f"choose one of {', '.join(TRAIN_ATTENTION_KERNELS)}")
+    kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
+    return PatchGroup("qwen_image", (
+        Patch("rms_norm", "RMSNorm rounds x·rsqrt to bf16 before the weight multiply",
+              _set(RMSNorm, "impl", rms_norm_exact)),
+        Patch("layer_norm_scale_shift", "bf16 LayerNorm, then (1+scale), ·, +shift each rounded",
+              _set(LayerNormScaleShift, "impl", layer_norm_scale_shift_exact)),
+        Patch("scale_residual_layer_norm_scale_shift",
+              "residual + gate·y rounded twice; the norm reads the rounded residual",
+              _set(ScaleResidualLayerNormScaleShift, "impl", scale_residual_layer_norm_scale_shift_exact)),
+        Patch("mul_add", "eager bf16 c + a·(k+b) instead of one fp32 rounding",
+              _set(MulAdd, "impl", mul_add_exact)),
+        Patch("qk_norm_rope", "qk-norm rounded to bf16, then complex-multiplication RoPE from diffusers-built tables",
+              _qk_norm_rope),
+        Patch("contiguous_split", "joint-attention output slices made contiguous before to_out/to_add_out",
+              _set(JointAttention, "contiguous_split", True)),
+        Patch("unpacked_qkv", "separate q/k/v GEMMs with the bias in the same call",
+              _set(Linear, "unpacked", True)),
+        Patch("timestep_dtype", "the timestep as the pipeline passes it, t.to(bf16)/1000, before the fp32 sinusoid",
+              _set(TimestepEmbedding, "proj_impl", timestep_proj_reference)),
+        Patch("attention_kernel", f"the SDPA {kernel} kernel pinned, as the train side's `{train_attention_backend}` "
+                                  f"backend runs it",
+              _set(JointAttention, "backend", kernel)),
+        Patch("lora_unmerged", "LoRA updates stay unmerged, evaluated in PEFT's order: (W x + b) + scale·B(A x)",
+              _set(QwenImageTransformer, "lora_merge", False)),
+    ))
+
+
+GROUP = make_group()

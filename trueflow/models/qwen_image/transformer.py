@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...layers.attention import attention
+from ...layers.attention import attention, joint_buffer
 from ...layers.linear import Linear
 from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
@@ -141,13 +141,19 @@ class JointAttention(nn.Module):
         img_tables, txt_tables = rope
         iq, ik, iv = (t.unflatten(-1, (-1, self.head_dim)) for t in self.to_qkv(img))
         tq, tk, tv = (t.unflatten(-1, (-1, self.head_dim)) for t in self.add_qkv(txt))
-        iq, ik = self.norm_q(iq, img_tables), self.norm_k(ik, img_tables)
-        tq, tk = self.norm_added_q(tq, txt_tables), self.norm_added_k(tk, txt_tables)
-        q, k, v = torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1)
+        seq_txt = txt.shape[1]
+        # The joint [text, image] q, k and v, each in one buffer laid out for the kernel: the qk-norms write their
+        # rows in place, so no torch.cat copies q and k (the values are the concatenation's, bit for bit).
+        q, k, v = (joint_buffer(tq, iq, self.backend) for _ in range(3))
+        self.norm_added_q(tq, txt_tables, out=q[:, :seq_txt])
+        self.norm_q(iq, img_tables, out=q[:, seq_txt:])
+        self.norm_added_k(tk, txt_tables, out=k[:, :seq_txt])
+        self.norm_k(ik, img_tables, out=k[:, seq_txt:])
+        v[:, :seq_txt].copy_(tv)
+        v[:, seq_txt:].copy_(iv)
         if mask is not None:  # text mask [B, L] -> joint key mask [B, L + S]
             mask = torch.cat([mask, mask.new_ones(img.shape[0], img.shape[1])], dim=1)
         out = attention(q, k, v, mask, self.backend).flatten(2, 3).to(q.dtype)
-        seq_txt = txt.shape[1]
         txt_out, img_out = out[:, :seq_txt], out[:, seq_txt:]
         if self.contiguous_split:
             txt_out, img_out = txt_out.contiguous(), img_out.contiguous()
