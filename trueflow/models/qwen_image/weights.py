@@ -75,17 +75,19 @@ class WeightLoadError(ValueError):
 def _largest(tensors: list[tuple[torch.Tensor, torch.dtype]]) -> list[tuple[float, float]]:
     """For each (tensor, dtype): (largest |value| of the tensor, the same once cast to `dtype`); inf or NaN in the
     second means the cast tensor holds one. Rounding is monotonic and min/max propagate NaN, so casting a
-    tensor's two extremes decides it for every element, with no cast copy. Reduced on each tensor's device and
-    brought to the CPU in one transfer per device: a sync per tensor would cost more than the update."""
+    tensor's two extremes decides it for every element, with no cast copy. One reduction per tensor on its
+    device; the extremes reach the CPU in one transfer per (device, dtype): a sync per tensor would cost more
+    than the update itself on a GPU."""
     out = [(0.0, 0.0)] * len(tensors)
-    per_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for i, (t, dtype) in enumerate(tensors):
         if t.numel():
-            ends = torch.stack(torch.aminmax(t.detach()))
-            per_device.setdefault(t.device, []).append((i, torch.cat([ends.double(), ends.to(dtype).double()])))
-    for items in per_device.values():
-        for (i, _), (lo, hi, cast_lo, cast_hi) in zip(items, torch.stack([e for _, e in items]).abs().tolist()):
-            out[i] = (max(lo, hi), max(cast_lo, cast_hi))  # a NaN is in both ends, so max keeps it
+            groups.setdefault((t.device, t.dtype, dtype), []).append((i, *torch.aminmax(t.detach())))
+    for (_, _, dtype), items in groups.items():
+        ends = torch.stack([e for _, lo, hi in items for e in (lo, hi)]).cpu().view(-1, 2)
+        given, cast = ends.double().abs().amax(1).tolist(), ends.to(dtype).double().abs().amax(1).tolist()
+        for (i, _, _), g, c in zip(items, given, cast):
+            out[i] = (g, c)
     return out
 
 
