@@ -1,6 +1,7 @@
 """Mutation check of trueflow/rl: every mutation below, applied to a temporary copy of the package, must make one
-of the float64-oracle tests (tests/test_rl_*.py) fail. Exits 1 if a mutation survives, no longer applies (its text
-is not found exactly once), or breaks the run instead of failing a test; exits 0 when every one is killed.
+of the float64-oracle tests (tests/test_rl_*.py, those not marked slow) fail. Exits 1 if a mutation survives, no
+longer applies (its text is not found exactly once), or breaks the run instead of failing a test; exits 0 when
+every one is killed.
 
     python scripts/mutate_rl.py            # all mutations
     python scripts/mutate_rl.py -k kl      # those whose name contains "kl"
@@ -91,7 +92,8 @@ def run(root: Path, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def pytest_args(tests: list[str]) -> list[str]:
-    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
+    # Those marked slow (a whole training run) are integration tests, kept out of these 30 runs.
+    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow", *tests]
 
 
 def check(tmp: Path, index: int, mutation: tuple[str, str, str, str], tests: list[str]) -> tuple[bool, str]:
@@ -107,7 +109,8 @@ def check(tmp: Path, index: int, mutation: tuple[str, str, str, str], tests: lis
         return True, f"killed       {mutation[0]}  <- {failed[0].split(' - ')[0].rsplit('/', 1)[-1]}"
     if proc.returncode == 0:
         return False, f"SURVIVED     {mutation[0]}"
-    return False, f"BROKE        {mutation[0]} (pytest exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    tail = proc.stdout[-2000:] + proc.stderr[-2000:]
+    return False, f"BROKE        {mutation[0]} (pytest exit {proc.returncode}):\n{tail}"
 
 
 def main() -> int:
