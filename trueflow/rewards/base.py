@@ -25,6 +25,7 @@ import torch
 from .aesthetic import Aesthetic
 from .clip_score import ClipScore
 from .hps import HPSv2
+from .imagereward import ImageReward
 from .jpeg import JpegSize
 from .ocr import OcrReward
 from .pickscore import PickScore
@@ -63,6 +64,7 @@ REWARDS: dict[str, RewardFactory] = {
     "clip_score": ClipScore,
     "aesthetic": Aesthetic,
     "hpsv2": HPSv2,
+    "imagereward": ImageReward,
     "vlm_judge": _vlm_judge,
 }
 _FACTORY_ARGS = ("model_path", "device", "url")

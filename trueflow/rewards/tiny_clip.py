@@ -127,3 +127,80 @@ def init_tiny_hps(out: str | Path, seed: int = 0, image_size: int = 32) -> Path:
     (out / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg}))
     tokenizer.save_pretrained(out)
     return out
+
+
+def _bert_tokenizer(out: Path):
+    """A BERT WordPiece tokenizer over lower-case letters, digits and punctuation (every ASCII word encodes)."""
+    from transformers import BertTokenizer
+
+    chars = [chr(c) for c in range(33, 127) if not chr(c).isupper()]
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars if c.isalnum()]
+    (out / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    tokenizer = BertTokenizer(str(out / "vocab.txt"), do_lower_case=True)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def init_tiny_imagereward(out: str | Path, seed: int = 0, image_size: int = 32) -> Path:
+    """A folder laid out as ImageReward v1.0 is released (`ImageReward.pt`: the ImageReward module's state dict under
+    BLIP's names; `med_config.json`: the BERT config), plus a BERT tokenizer; random and small: a 2-layer ViT of
+    width 128 (2 heads of 64, as BLIP's), a 1-layer text encoder of ImageReward's width 768 (its head takes 768)."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = len(_bert_tokenizer(out)) + 2  # + BLIP's [DEC] and [ENC]
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+
+    def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std + mean
+
+    def linear(name: str, n_out: int, n_in: int, std: float = 0.05) -> None:
+        state[f"{name}.weight"], state[f"{name}.bias"] = randn(n_out, n_in, std=std), randn(n_out)
+
+    def norm(name: str, width: int) -> None:
+        state[f"{name}.weight"], state[f"{name}.bias"] = randn(width, std=0.1, mean=1.0), randn(width, std=0.1)
+
+    width, patch, hidden, positions = 128, 16, 768, 40
+    v = "blip.visual_encoder"
+    state[f"{v}.cls_token"] = randn(1, 1, width, std=0.5)
+    state[f"{v}.pos_embed"] = randn(1, (image_size // patch) ** 2 + 1, width, std=0.5)
+    state[f"{v}.patch_embed.proj.weight"] = randn(width, 3, patch, patch)
+    state[f"{v}.patch_embed.proj.bias"] = randn(width)
+    for i in range(2):
+        b = f"{v}.blocks.{i}"
+        norm(f"{b}.norm1", width)
+        norm(f"{b}.norm2", width)
+        linear(f"{b}.attn.qkv", 3 * width, width, std=0.2)
+        linear(f"{b}.attn.proj", width, width, std=0.2)
+        linear(f"{b}.mlp.fc1", 4 * width, width, std=0.2)
+        linear(f"{b}.mlp.fc2", width, 4 * width, std=0.1)
+    norm(f"{v}.norm", width)
+    t = "blip.text_encoder"
+    state[f"{t}.embeddings.word_embeddings.weight"] = randn(vocab, hidden, std=0.5)
+    state[f"{t}.embeddings.position_embeddings.weight"] = randn(positions, hidden, std=0.5)
+    state[f"{t}.embeddings.position_ids"] = torch.arange(positions).unsqueeze(0)  # a buffer BLIP's BERT saves
+    norm(f"{t}.embeddings.LayerNorm", hidden)
+    layer = f"{t}.encoder.layer.0"
+    for attention, key_width in (("attention", hidden), ("crossattention", width)):
+        linear(f"{layer}.{attention}.self.query", hidden, hidden)
+        linear(f"{layer}.{attention}.self.key", hidden, key_width)
+        linear(f"{layer}.{attention}.self.value", hidden, key_width, std=0.2)
+        linear(f"{layer}.{attention}.output.dense", hidden, hidden)
+        norm(f"{layer}.{attention}.output.LayerNorm", hidden)
+    linear(f"{layer}.intermediate.dense", 64, hidden)
+    linear(f"{layer}.output.dense", hidden, 64)
+    norm(f"{layer}.output.LayerNorm", hidden)
+    linear("blip.vision_proj", 256, width)  # BLIP_Pretrain's contrastive projections: saved, unused by the score
+    linear("blip.text_proj", 256, hidden)
+    for index, (n_in, n_out) in zip((0, 2, 4, 6, 7), [(hidden, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]):
+        linear(f"mlp.layers.{index}", n_out, n_in, std=(n_in + 1) ** -0.5)
+    torch.save(state, out / "ImageReward.pt")
+    med = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+           "hidden_dropout_prob": 0.1, "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": 64,
+           "layer_norm_eps": 1e-12, "max_position_embeddings": positions, "model_type": "bert",
+           "num_attention_heads": 12, "num_hidden_layers": 1, "pad_token_id": 0, "type_vocab_size": 2,
+           "vocab_size": vocab, "encoder_width": 768, "add_cross_attention": True}
+    (out / "med_config.json").write_text(json.dumps(med, indent=2))
+    return out
