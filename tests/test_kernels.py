@@ -1,4 +1,5 @@
-"""The fast ops (Triton kernels and their PyTorch fallbacks) against a float64 reference.
+"""The fast ops (Triton kernels and their PyTorch fallbacks) against a float64 reference; and the eager-exact kernels
+of the `qwen_image` patch group against the diffusers op sequences they replace, bitwise (second half).
 
 Both compute in fp32 and round once per output, so every output must lie within half a bf16 ulp of the exact
 (float64) value, plus an fp32-sized slack: `|out - ref| <= ulp(ref)/2 + 1e-5·(1 + |ref|)`. A double rounding (the
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BF16, EPS, randn
+from conftest import BF16, EPS, assert_bitwise, assert_differs, randn
 from trueflow import kernels
 from trueflow.layers.modulation import (
     layer_norm_scale_shift_fused,
@@ -234,3 +235,201 @@ def test_layers_use_triton_on_cuda(monkeypatch):
     assert torch.equal(rms_norm_fused(x, w, EPS), kernels.ops().rms_norm(x, w, EPS))
     monkeypatch.setattr(kernels, "ENABLED", False)  # TRUEFLOW_TRITON=0
     assert not kernels.use_triton(x)
+
+
+# == eager-exact kernels (the qwen_image patch group on CUDA) against the diffusers op sequences, bitwise ===========
+# Oracles: diffusers' own modules and expressions, run eagerly on the same device. The patch group's `*_exact`
+# functions are called, so the dispatch is tested too: in the interpreter child `use_triton` is forced on (its
+# tensors are CPU ones); on CUDA it is on by itself.
+EXACT_IMPLS = [
+    pytest.param("interpreter", id="interpreter", marks=INTERPRETER),
+    pytest.param("cuda", id="triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")]),
+]
+
+
+@pytest.fixture
+def exact(request, monkeypatch) -> str:
+    """The device the eager-exact kernels run on, with the patch group's kernel dispatch on."""
+    if request.param == "interpreter":
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        return "cpu"
+    return "cuda"
+
+
+@pytest.fixture(scope="module")
+def diffusers_block():
+    """A diffusers block for its `_modulate` arithmetic (independent of the block's width)."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    return QwenImageTransformerBlock(dim=64, num_attention_heads=2, attention_head_dim=32).to(BF16).eval()
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.LayerNorm(x.shape[-1], elementwise_affine=False, eps=EPS)(x)  # diffusers' norm1/norm2
+
+
+
+def craft(value: float, shape, dev: str) -> torch.Tensor:
+    return torch.full(shape, value, dtype=BF16, device=dev)
+
+
+# Double rounding, by hand: p = (1 - 2^-8)(1 + 2^-7) = 1 + 2^-8 - 2^-15 rounds to 1.0 in bf16, and 256 + 1.0 = 257 is
+# a tie that rounds to even, 256. Rounded once, 256 + p = 257.0039 rounds to 258.
+BELOW_ONE, ABOVE_ONE, BIG = 1 - 2**-8, 1 + 2**-7, 256.0
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+@pytest.mark.parametrize("k", [0.0, 1.0])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ids(ROW_SHAPES))
+def test_mul_add_exact(exact, shape, k):
+    dev = exact
+    a, c = randn(shape, 6).to(dev), randn(shape, 7, std=3.0).to(dev)
+    b = modulation(shape[0], shape[-1], 8)[2].to(dev)
+    # diffusers' gated residual `hidden_states + gate.unsqueeze(1) * output` (k = 0); the engine's mul-add for k != 0
+    ref = c + b[:, None] * a if k == 0 else c + a * (k + b[:, None])
+    assert_bitwise(P.mul_add_exact(a, b, c, k), ref, "mul_add_exact")
+    if shape[1] > 1:
+        assert_differs(mul_add_fused(a, b, c, k), ref, "once-rounded mul_add")
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+def test_mul_add_exact_crafted(exact):
+    dev, shape = exact, (2, 3, 200)
+    a, b, c = craft(BELOW_ONE, shape, dev), craft(ABOVE_ONE, shape[::2], dev), craft(BIG, shape, dev)
+    ref = c + b[:, None] * a
+    assert (ref == BIG).all()
+    assert_bitwise(kernels.ops().mul_add_eager_bf16(a, b, c, 0.0), ref, "kernel")
+    once = (c.float() + a.float() * b.float()[:, None]).to(BF16)
+    assert (once == BIG + 2).all(), "the once-rounded mul-add rounds 257.0039 up"
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ids(ROW_SHAPES))
+def test_layer_norm_scale_shift_exact(exact, shape, diffusers_block):
+    dev = exact
+    x = randn(shape, 1, std=2.0, mean=0.5).to(dev)
+    mod = randn((shape[0], 3 * shape[-1]), 2, std=0.5).to(dev)
+    shift, scale, _ = mod.chunk(3, dim=-1)
+    ref, _ = diffusers_block.to(dev)._modulate(layer_norm(x), mod)
+    assert_bitwise(P.layer_norm_scale_shift_exact(x, shift, scale, EPS), ref, "layer_norm_scale_shift_exact")
+    assert_differs(layer_norm_scale_shift_fused(x, shift, scale, EPS), ref, "once-rounded layer_norm_scale_shift")
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+def test_scale_shift_exact_crafted(exact, diffusers_block):
+    dev, (B, S, D) = exact, (2, 3, 64)
+    xn = craft(BELOW_ONE, (B, S, D), dev)
+    mod = torch.cat([craft(BIG, (B, D), dev), craft(2**-7, (B, D), dev), craft(0.0, (B, D), dev)], dim=-1)
+    shift, scale, _ = mod.chunk(3, dim=-1)
+    ref, _ = diffusers_block.to(dev)._modulate(xn, mod)
+    assert (ref == BIG).all()
+    assert_bitwise(kernels.ops().scale_shift_eager_bf16(xn, shift, scale), ref, "kernel")
+    once = (xn.float() * (1 + scale.float()[:, None]) + shift.float()[:, None]).to(BF16)
+    assert (once == BIG + 2).all(), "the once-rounded modulation rounds 257.0039 up"
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ids(ROW_SHAPES))
+def test_scale_residual_layer_norm_scale_shift_exact(exact, shape, diffusers_block):
+    dev = exact
+    residual, y = randn(shape, 3, std=4.0).to(dev), randn(shape, 4).to(dev)
+    mod = randn((shape[0], 6 * shape[-1]), 5, std=0.5).to(dev)
+    mod1, mod2 = mod.chunk(2, dim=-1)
+    _, _, gate1, shift2, scale2, _ = mod.chunk(6, dim=-1)
+    block = diffusers_block.to(dev)
+    # QwenImageTransformerBlock.forward: hidden_states = hidden_states + img_gate1 * img_attn_output; then norm2
+    r_ref = residual + mod1.chunk(3, dim=-1)[2].unsqueeze(1) * y
+    out_ref, _ = block._modulate(layer_norm(r_ref), mod2)
+    r, out = P.scale_residual_layer_norm_scale_shift_exact(residual, y, gate1, shift2, scale2, EPS)
+    assert_bitwise(r, r_ref, "residual")
+    assert_bitwise(out, out_ref, "normed + modulated")
+    r_once, out_once = scale_residual_layer_norm_scale_shift_fused(residual, y, gate1, shift2, scale2, EPS)
+    assert_differs(out_once, out_ref, "once-rounded")
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", [(2, 11, 3584), (1, 5, 3, 48)], ids=["2x11x3584", "1x5x3x48"])
+def test_rms_norm_exact(exact, shape):
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+
+    dev = exact
+    x = randn(shape, 9, std=2.0).to(dev)
+    norm = DiffusersRMSNorm(shape[-1], eps=EPS).to(BF16).to(dev)
+    with torch.no_grad():
+        norm.weight.copy_(randn(shape[-1:], 10, std=0.1, mean=1.0))
+        ref = norm(x)
+    assert_bitwise(P.rms_norm_exact(x, norm.weight.detach(), EPS), ref, "rms_norm_exact")
+    assert_differs(rms_norm_fused(x, norm.weight.detach(), EPS), ref, "once-rounded rms_norm")
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fma(a, b, c), exactly, for a bf16-valued a: the product is exact in float64 (8 + 24 bits); the sum's
+    float64 error (TwoSum) decides a float64 result that sits exactly halfway between two fp32 numbers."""
+    p, z = a.double() * b.double(), c.double()
+    s = p + z
+    bb = s - p
+    err = (p - (s - bb)) + (z - bb)
+    r = s.float()
+    toward = torch.nextafter(r, torch.where(s > r.double(), torch.inf, -torch.inf).float())
+    tie = (s != r.double()) & ((s - r.double()).abs() == (toward.double() - s).abs())
+    return torch.where(tie & (err != 0) & ((err > 0) == (s > r.double())), toward, r)
+
+
+def cuda_complex_rope(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' `view_as_complex(y.float()) * freqs` as PyTorch's CUDA kernel rounds it (c10::complex's product with
+    nvcc's contraction: real = fma(a, c, -(b·d)), imag = fma(b, c, a·d); verified bitwise against PyTorch on GPUs by
+    PaddlePaddle PR #79469), then `.type_as(y)`."""
+    a, b = y.float()[..., 0::2], y.float()[..., 1::2]
+    c, d = freqs.real[:, None, :], freqs.imag[:, None, :]
+    re, im = fma32(a, c.expand_as(a), -(b * d)), fma32(b, c.expand_as(b), a * d)
+    return torch.stack((re, im), dim=-1).flatten(-2).to(y.dtype)
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", [(1, 3, 2, 32), (2, 37, 24, 128)], ids=ids([(1, 3, 2, 32), (2, 37, 24, 128)]))
+def test_qk_norm_rope_exact(exact, shape):
+    """k as the packed q/k/v GEMM gives it (a strided slice), diffusers' polar tables for a 1 x S grid; written into
+    a heads-major joint buffer (the cuDNN layout) as the engine does, and returned fresh."""
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    dev = exact
+    B, S, H, D = shape
+    x = randn((B, S, 3 * H * D), 11, std=2.0)[..., H * D:2 * H * D].unflatten(-1, (H, D)).to(dev)
+    norm = DiffusersRMSNorm(D, eps=EPS).to(BF16).to(dev)
+    with torch.no_grad():
+        norm.weight.copy_(randn((D,), 12, std=0.1, mean=1.0))
+    w = norm.weight.detach()
+    axes = {32: (8, 12, 12), 128: (16, 56, 56)}[D]
+    tables = P.rope_tables_reference(rope_positions(1, S, 0)[0], axes, 10000, dev)
+    with torch.no_grad():
+        ref = apply_rotary_emb_qwen(norm(x), tables.freqs, use_real=False)
+    buf = torch.zeros(B, H, S + 2, D, dtype=BF16, device=dev).permute(0, 2, 1, 3)
+    ops = kernels.ops()
+    if dev == "cuda":
+        got = P.qk_norm_rope_exact(x, w, EPS, tables, out=buf[:, 2:])
+    else:  # on the CPU diffusers' complex product rounds every product: the kernel's CPU variant is the equal one
+        got = ops.rms_norm_eager_bf16(x, w, EPS, tables.freqs, out=buf[:, 2:], complex_fma=False)
+    assert got.data_ptr() == buf[:, 2:].data_ptr() and (buf[:, :2] == 0).all(), "written in place, rows 2.. only"
+    assert_bitwise(got, ref, "qk_norm_rope_exact")
+    assert_differs(qk_norm_rope_fused(x, w, EPS, RopeTables(cos=tables.freqs.real.contiguous(),
+                                                            sin=tables.freqs.imag.contiguous())),
+                   ref, "once-rounded qk_norm_rope")
+
+
+@INTERPRETER
+def test_qk_norm_rope_cuda_variant_interpreter(monkeypatch):
+    """The kernel's CUDA variant (what `qk_norm_rope_exact` runs on CUDA) is the CUDA formula bitwise, on a sample
+    (seed 101) in which fusing the multiply-add changes both a real and an imaginary part."""
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    S, H, D = 37, 24, 128
+    x = randn((1, S, H, D), 101, std=2.0)
+    w = randn((D,), 12, std=0.1, mean=1.0)
+    tables = P.rope_tables_reference(rope_positions(1, S, 0)[0], (16, 56, 56), 10000, "cpu")
+    y = P.rms_norm_reference(x, w, EPS)
+    formula = cuda_complex_rope(y, tables.freqs)
+    cpu = P.qk_norm_rope_reference(x, w, EPS, tables)  # every product rounded
+    differs = (formula != cpu).flatten(-2).unflatten(-1, (-1, 2))
+    assert differs[..., 0].any() and differs[..., 1].any(), "the sample must tell the two roundings apart"
+    assert_bitwise(P.qk_norm_rope_exact(x, w, EPS, tables), formula, "CUDA variant vs the CUDA formula")
