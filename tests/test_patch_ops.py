@@ -433,6 +433,76 @@ def test_joint_attention_module(tiny_bf16, batch):
                        "without contiguous_split")
 
 
+@pytest.mark.parametrize("train_backend", ["_native_flash", "_native_cudnn"])
+def test_attention_pairing_layouts(tiny_bf16, monkeypatch, train_backend):
+    """Block 0's joint attention under the group made for `train_backend` vs diffusers under that backend: SDPA gets
+    q/k/v of the same shapes and strides (token-major views for flash, contiguous heads-major for cuDNN, which the
+    engine's joint buffers already are: no copy), and the outputs are bitwise. cuDNN has no CPU kernel, so both
+    sides' pinned cuDNN kernel runs as the math kernel here; the layouts are what this test is about."""
+    from torch.nn.attention import SDPBackend
+
+    import trueflow.layers.attention as A
+    from trueflow.patches import get_group
+
+    diff, config, state = tiny_bf16
+    batch, h, w, text_len = 2, 4, 5, 7
+    img, txt = randn((batch, h * w, diff.inner_dim), 100), randn((batch, text_len, diff.inner_dim), 101)
+    real_kernel, real_sdpa = torch.nn.attention.sdpa_kernel, F.scaled_dot_product_attention
+    seen: list[tuple] = []
+
+    def kernel(backends, *args, **kwargs):
+        return real_kernel(SDPBackend.MATH if backends == SDPBackend.CUDNN_ATTENTION else backends, *args, **kwargs)
+
+    def sdpa(query, key, value, **kwargs):  # diffusers passes them by keyword
+        seen.append(tuple((t.shape, t.stride()) for t in (query, key, value)))
+        return real_sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", kernel)  # diffusers looks it up at call time
+    monkeypatch.setattr(A, "sdpa_kernel", kernel)
+    monkeypatch.setitem(A.BACKENDS, "cudnn", SDPBackend.MATH)  # past the engine's CUDA-only check
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    with torch.no_grad(), attention_backend(train_backend):
+        rope_ref = diff.pos_embed([(1, h, w)] * batch, max_txt_seq_len=text_len, device=torch.device("cpu"))
+        img_ref, txt_ref = diff.transformer_blocks[0].attn(hidden_states=img, encoder_hidden_states=txt,
+                                                           encoder_hidden_states_mask=None, image_rotary_emb=rope_ref)
+
+    def run(group_name: str):
+        group = get_group(group_name)
+        engine = build_engine_transformer(config, state, patch_group=group_name)
+        assert engine.patches_applied == list(group.patch_names)
+        with torch.no_grad():
+            return engine.transformer_blocks[0].attn(img, txt, engine.rope(h, w, text_len, torch.device("cpu")), None)
+
+    img_out, txt_out = run(f"qwen_image:{train_backend}")
+    (ref_layout, engine_layout) = seen
+    assert engine_layout == ref_layout
+    heads_major = train_backend == "_native_cudnn"
+    assert all(torch.empty_strided(*t).is_contiguous() == heads_major for t in engine_layout)
+    assert_bitwise(img_out, img_ref, "image stream")
+    assert_bitwise(txt_out, txt_ref, "text stream")
+    other = {"_native_flash": "qwen_image:_native_cudnn", "_native_cudnn": "qwen_image"}[train_backend]
+    run(other)
+    assert seen[-1] != ref_layout, "the other pairing hands the kernel another layout"
+
+
+def test_group_follows_the_train_backend():
+    """`qwen_image` is the `_native_flash` pairing; `qwen_image:<backend>` pins that backend's kernel; a backend no
+    kernel reproduces is refused with the choices."""
+    from trueflow.patches import get_group
+
+    def kernel(group) -> str:
+        model = build_model({"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 32,
+                             "joint_attention_dim": 48, "axes_dims_rope": (8, 12, 12)}, device="meta")
+        next(p for p in group.patches if p.name == "attention_kernel").apply(model)
+        return model.transformer_blocks[0].attn.backend
+
+    assert kernel(get_group("qwen_image")) == kernel(get_group("qwen_image:_native_flash")) == "flash"
+    assert kernel(get_group("qwen_image:_native_cudnn")) == "cudnn"
+    assert get_group("qwen_image:_native_cudnn").patch_names == P.GROUP.patch_names
+    with pytest.raises(ValueError, match="_native_flash, _native_cudnn"):
+        get_group("qwen_image:native")
+
+
 # -- the group's wiring ---------------------------------------------------------------------------------------
 def test_group_installs_the_reference_ops():
     """Each patch puts the function tested above on every module of its kind; a disabled patch leaves the fast
