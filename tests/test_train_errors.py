@@ -93,10 +93,23 @@ def test_a_bad_settings_file_is_one_line(tmp_path, capsys, text, fragments):
     (["--config", "no/such.yaml"], ("--config no/such.yaml", "no such file")),
     (["--reward-placement", "engine"], ("needs --engine-process",)),
     (["--num-sde-steps", "3", "--steps", "2"], ("--num-sde-steps 3 must be in 1..--steps (2)",)),
+    (["--lora-target-modules", "to_q,,to_k"], ("model.lora_target_modules", "names must not be empty")),
+    (["--device", "foo"], ("--device foo: not a torch device",)),
+    (["--fsdp-attention-backend", "bogus"], ("--fsdp-attention-backend bogus", "use _native_flash")),
+    (["--patch-group", "bogus"], ("unknown patch group 'bogus'", "qwen_image")),
+    (["--disable-patch", "bogus"], ("--disable-patch bogus: not a patch of group 'qwen_image'", "rms_norm")),
 ])
 def test_a_bad_flag_is_one_line(tmp_path, capsys, argv, fragments):
     rc, _, err = train(capsys, *argv, "--output-dir", str(tmp_path / "run"))
     assert_one_line_error(rc, err, *fragments)
+
+
+def test_a_bad_reward_fails_before_the_engine_loads(tiny_checkpoint, tmp_path, capsys):
+    t0 = time.perf_counter()
+    rc, _, err = train(capsys, "--checkpoint", str(tiny_checkpoint), "--reward", "bogus", "--output-dir",
+                       str(tmp_path / "run"))
+    assert_one_line_error(rc, err, "unknown reward 'bogus'", "redness")
+    assert time.perf_counter() - t0 < 5.0 and "Loading weights" not in err
 
 
 def test_a_bad_setting_fails_without_importing_torch(tmp_path):

@@ -131,8 +131,15 @@ class TrainConfig(BaseModel):
 
     @field_validator("lora_target_modules", "disable_patch", mode="before")
     @classmethod
-    def _names(cls, v: Any) -> Any:
+    def _names_in(cls, v: Any) -> Any:
         return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("lora_target_modules", "disable_patch")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        if not all(name.strip() for name in v):
+            raise ValueError("names must not be empty")
+        return v
 
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
@@ -165,9 +172,23 @@ class TrainConfig(BaseModel):
         return errors
 
     def validate(self) -> None:
-        """Everything not checked on construction (the patch group's names, which import the model family), then
-        one ParityConditionWarning per broken condition."""
+        """Everything not checked on construction (what needs torch, diffusers or the model family: the device, the
+        attention backend, the patch group's names), then one ParityConditionWarning per broken condition."""
+        import torch
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
         from ..patches import get_group
+
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"--device {self.device}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: this machine has no CUDA device; use --device cpu")
+        backends = [b.value for b in AttentionBackendName]
+        if self.fsdp_attention_backend not in backends:
+            raise ValueError(f"--fsdp-attention-backend {self.fsdp_attention_backend}: not a diffusers attention "
+                             f"backend; use {PARITY_BACKEND} (or one of {', '.join(sorted(backends))})")
 
         group = get_group(self.rollout_patch_group)  # raises with the known names
         unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
@@ -414,7 +435,9 @@ def format_error(e: ValidationError) -> str:
         if name in LOCATIONS:
             section, key = LOCATIONS[name]
             where = (f"{section}." if section else "") + key + "".join(f"[{i}]" for i in loc[1:])
-            parts.append(f"{where} = {err['input']!r}: {msg} (set {_flag(section, key)} or `{where}` in --config)")
+            value = repr(err["input"])
+            value = value if len(value) <= 80 else value[:77] + "..."  # a 10 MB string is not echoed back
+            parts.append(f"{where} = {value}: {msg} (set {_flag(section, key)} or `{where}` in --config)")
         else:
             parts.append(msg)
     return "invalid settings: " + "; ".join(parts)

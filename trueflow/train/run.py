@@ -80,11 +80,11 @@ def run_training(cfg: TrainConfig) -> Path | None:
             dist.barrier()
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
         if ctx.is_main:
-            engine = _start_engine(cfg, dtype, ctx.device)
-            if not (cfg.engine_process and cfg.reward_placement == "engine"):
+            if not (cfg.engine_process and cfg.reward_placement == "engine"):  # before the engine: a bad spec fails fast
                 from ..rewards.base import build_reward
 
                 reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device))
+            engine = _start_engine(cfg, dtype, ctx.device)
         from .trainer import Trainer
 
         Trainer(cfg, ctx, engine, reward, resumed).run()
