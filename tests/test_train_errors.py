@@ -104,6 +104,12 @@ def test_a_bad_flag_is_one_line(tmp_path, capsys, argv, fragments):
     assert_one_line_error(rc, err, *fragments)
 
 
+def test_wandb_without_its_package(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    rc, _, err = train(capsys, "--wandb", "--output-dir", str(tmp_path / "run"))
+    assert_one_line_error(rc, err, "--wandb needs the wandb package")
+
+
 def test_a_bad_reward_fails_before_the_engine_loads(tiny_checkpoint, tmp_path, capsys):
     t0 = time.perf_counter()
     rc, _, err = train(capsys, "--checkpoint", str(tiny_checkpoint), "--reward", "bogus", "--output-dir",

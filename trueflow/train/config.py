@@ -50,6 +50,10 @@ class TrainConfig(BaseModel):
     seed: int = _f(0, "random seed", None, ge=0)
     sample_every: int = _f(1, "write a sample grid every K rollouts (0: never)", None, ge=0)
     tensorboard: bool = _f(False, "also write TensorBoard events", None)
+    wandb: bool = _f(False, "also log to Weights & Biases (WANDB_MODE=offline keeps it on disk, in the run folder)",
+                     None)
+    wandb_project: str = _f("trueflow", "W&B project", None, min_length=1)
+    wandb_name: str | None = _f(None, "W&B run name (default: W&B picks one)", None)
     debug: bool = _f(False, "write snapshots of every rollout step", None)
     # model
     checkpoint: str | None = _f(None, "diffusers Qwen-Image pipeline folder (default: a tiny one made under "
@@ -173,12 +177,15 @@ class TrainConfig(BaseModel):
 
     def validate(self) -> None:
         """Everything not checked on construction (what needs torch, diffusers or the model family: the device, the
-        attention backend, the patch group's names), then one ParityConditionWarning per broken condition."""
+        attention backend, the patch group's names, the wandb package), then one ParityConditionWarning per broken condition."""
         import torch
         from diffusers.models.attention_dispatch import AttentionBackendName
 
         from ..patches import get_group
+        from .metrics import require_wandb
 
+        if self.wandb:
+            require_wandb()
         try:
             device = torch.device(self.device)
         except RuntimeError:
@@ -252,7 +259,8 @@ class TrainConfig(BaseModel):
 # What a resumed run may change: where it writes, how long it runs, what it logs, where its parts run (placement
 # changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
-                               "debug", "engine_process", "reward_placement", "gradient_checkpointing"})
+                               "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "reward_placement",
+                               "gradient_checkpointing"})
 RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
 
 

@@ -24,7 +24,7 @@ from . import checkpoint as ckpt
 from .batch import TrainBatch, assemble
 from .config import TrainConfig
 from .dist import DistContext, all_reduce, broadcast_object
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, WandbSettings
 from .model import LoraSpec, train_forward
 from .pairs import micro_batches, rank_samples
 from .policy import build_policy, lora_full_state, lora_parameters
@@ -57,9 +57,10 @@ class Trainer:
         keep = None
         if cfg.resume:
             keep = self._resume(resumed)
+        wandb = WandbSettings(cfg.wandb_project, cfg.wandb_name, self.out, cfg.to_dict()) if cfg.wandb else None
         self.metrics = MetricsWriter(self.out / "metrics.jsonl",
                                      self.out / "tensorboard" if cfg.tensorboard else None,
-                                     keep_lines=keep) if ctx.is_main else None
+                                     keep_lines=keep, wandb=wandb) if ctx.is_main else None
         self._sync()  # the engine starts from the trainer's weights (after a resume: the checkpoint's)
 
     # -- weight sync ---------------------------------------------------------------------------------------------
