@@ -303,7 +303,10 @@ def _flatten(data: dict, source: str) -> dict:
                                  f"got {value!r}")
             for key, v in value.items():
                 name = _FLAT_NAME.get((top, str(key).replace("-", "_")))
-                (unknown.append(f"{top}.{key}") if name is None else out.__setitem__(name, v))
+                if name is None:
+                    unknown.append(f"{top}.{key}")
+                else:
+                    out[name] = v
         elif (None, top) in _FLAT_NAME:
             out[top] = value
         else:
@@ -320,16 +323,14 @@ def _unflatten_flat_yaml(data: dict, source: str) -> dict:
     moved = []
     for top, value in data.items():
         name = str(top).replace("-", "_")
-        is_section = name in SECTIONS and isinstance(value, dict)
-        if is_section or name not in LOCATIONS or LOCATIONS[name][0] is None:
-            if is_section:
-                nested.setdefault(name, {}).update(value)
-            else:
-                nested[name] = value
-            continue
-        section, key = LOCATIONS[name]
-        nested.setdefault(section, {})[key] = value
-        moved.append(f"{top} -> {section}.{key}")
+        if name in SECTIONS and isinstance(value, dict):
+            nested.setdefault(name, {}).update(value)
+        elif name in LOCATIONS and LOCATIONS[name][0] is not None:  # a setting of a section, written flat
+            section, key = LOCATIONS[name]
+            nested.setdefault(section, {})[key] = value
+            moved.append(f"{top} -> {section}.{key}")
+        else:  # a top-level setting (or an unknown one, which `_flatten` reports)
+            nested[name] = value
     if moved:
         warnings.warn(f"{source} is a flat settings file; read as {', '.join(moved)}. Write settings in their "
                       "sections (`trueflow train --print-config` prints the layout)", FlatConfigWarning, stacklevel=3)
@@ -358,6 +359,7 @@ def load_yaml(path: str) -> dict:
 
 # -- the command line --------------------------------------------------------------------------------------------
 _DESTS = {f"{section}.{key}" if section else key for section, key in LOCATIONS.values()}
+_MORE_ALIASES = {"rollout_patch_group": ("patch-group",)}  # the name the other verbs give it
 
 
 def _flag(section: str | None, key: str) -> str:
@@ -389,19 +391,15 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
                    "override it)")
     p.add_argument("--print-config", action="store_true", help="print the settings as YAML and exit (`--config` "
                    "loads that back)")
-    shortcuts = {}
+    shortcuts = {}  # sectioned flag -> its flat aliases, without the leading --
     for name, (section, key) in LOCATIONS.items():
-        flat = [_flag(None, name)] + (["--patch-group"] if name == "rollout_patch_group" else [])
-        flat = [a.removeprefix("--") for a in flat if a != _flag(section, key)]
-        if name in SECTIONS:  # --checkpoint and --reward: the section names, added by hand below
-            continue
-        if flat:
-            shortcuts[_flag(section, key).removeprefix("--")] = flat
-    for name in SECTIONS:
-        if name in LOCATIONS:
-            section, key = LOCATIONS[name]
-            p.add_argument(_flag(None, name), dest=f"{section}.{key}", default=argparse.SUPPRESS, metavar="VALUE",
-                           help=f"{TrainConfig.model_fields[name].description} (alias of {_flag(section, key)})")
+        nested = _flag(section, key)[2:]
+        flat = [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+        if name in SECTIONS:  # --checkpoint, --reward: pydantic-settings would take these names for the sections
+            p.add_argument(*(f"--{a}" for a in flat), dest=f"{section}.{key}", default=argparse.SUPPRESS,
+                           metavar="VALUE", help=f"{TrainConfig.model_fields[name].description} (alias of --{nested})")
+        elif flat:
+            shortcuts[nested] = flat
     return CliSettingsSource(_settings_class(), root_parser=p, cli_kebab_case=True, cli_implicit_flags=True,
                              cli_avoid_json=True, cli_shortcuts=shortcuts, cli_parse_none_str="null",
                              add_argument_method=_add_setting_argument)
