@@ -1,0 +1,268 @@
+"""Parity mode, checked and timed: the engine under the `qwen_image` patch group against diffusers eager, per
+attention pairing, on one GPU, in one run.
+
+    python benchmarks/parity_speed.py --out parity_speed.json [--shapes 512x1,1024x4] [--repeats 10] [--warmup 2]
+
+The model, the inputs and the unit of work are `rollout_vs_diffusers.py`'s (whose helpers this script imports): the
+full-size architecture with seeded random weights in bf16, text 128 tokens, no mask; one guided step = the positive
+and the negative branch forward, true CFG, a flow-GRPO SDE step. Shapes are RESOLUTIONxBATCH.
+
+Rows (each pairing is a train-side diffusers backend and the patch group made for it):
+    diffusers_flash         diffusers eager, `_native_flash`: the flash pairing's reference
+    diffusers_cudnn         diffusers eager, `_native_cudnn`: the cuDNN pairing's reference               (CUDA)
+    engine_parity_flash     engine, group `qwen_image` (flash pinned), eager-exact kernels, CUDA graphs
+    engine_parity_cudnn     engine, group `qwen_image:_native_cudnn` (cuDNN pinned), kernels, CUDA graphs (CUDA)
+    engine_parity_unfused   engine_parity_flash with the kernels off (`TRUEFLOW_TRITON=0`): each chain as its eager
+                            op sequence, i.e. parity mode without this script's subject
+
+Check: each engine row's guided velocity and next latent are bitwise its pairing's diffusers ones (the unfused row's
+pairing is flash). Timing: after `--warmup` steps per row (graph capture included), `--repeats` rounds; each round
+runs one step of every row, in order, so slow drifts of the clock hit all rows alike. Each step starts on an idle
+device and is timed with CUDA events (the host clock on a CPU). Reported: median and min-max per row, and each row's
+speed-up over both diffusers rows (median ratio; "tie" when the min-max ranges overlap). The JSON is rewritten after
+every shape. Exit status 1 if a pairing is not bitwise. `--size tiny` is a CPU smoke run (cuDNN rows are skipped,
+times are meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rollout_vs_diffusers import BF16, StepInputs, diffusers_step, engine_step, make_inputs, step_flops
+from trueflow import kernels
+from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.engine.cuda_graph import GraphedForward
+from trueflow.engine.weights import build_engine_transformer
+from trueflow.patches import apply_patch_group, get_group
+
+GOAL_SHAPE, GOAL_SPEEDUP = "1024x4", 1.2  # issue K: parity mode >= 1.2x diffusers `_native_flash` eager there
+
+
+@dataclass
+class Row:
+    name: str
+    attention: str
+    reference: str | None  # the diffusers row whose outputs this row must equal bitwise
+    cuda_only: bool = False
+    group: str | None = None  # engine rows: the patch group applied before each of its steps
+    triton: bool = True
+    times: list[float] = field(default_factory=list)
+
+
+ROWS = [
+    Row("diffusers_flash", "flash", None),
+    Row("diffusers_cudnn", "cudnn", None, cuda_only=True),
+    Row("engine_parity_flash", "flash", "diffusers_flash", group="qwen_image"),
+    Row("engine_parity_cudnn", "cudnn", "diffusers_cudnn", cuda_only=True, group="qwen_image:_native_cudnn"),
+    Row("engine_parity_unfused", "flash", "diffusers_flash", group="qwen_image", triton=False),
+]
+DIFFUSERS_BACKENDS = {"diffusers_flash": "_native_flash", "diffusers_cudnn": "_native_cudnn"}
+PIXELS_PER_TOKEN = 16
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    res, _, batch = text.partition("x")
+    if not (res.isdigit() and batch.isdigit() and int(res) % PIXELS_PER_TOKEN == 0 and int(batch) > 0):
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be RESOLUTIONxBATCH, resolution a multiple of 16")
+    return int(res), int(batch)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, config: dict, device: str):
+        self.args, self.config, self.device = args, config, device
+        self.cuda = device == "cuda"
+        self.info: dict = {}
+        self.results: list[dict] = []
+
+    def save(self) -> None:
+        with open(self.args.out, "w") as f:
+            json.dump({"info": self.info, "rows": self.results}, f, indent=1)
+
+    def prepare(self, row: Row, engine) -> None:
+        """The row's settings, outside the timed region: its patch group (the pairing) and the kernel switch."""
+        kernels.ENABLED = row.triton and self.info["triton_kernels"]
+        if row.group is not None:
+            apply_patch_group(engine, row.group, self.args.disable_patch)
+
+    def timed(self, step: Callable[[], tuple]) -> tuple[float, tuple]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = step()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end), out
+        t0 = time.perf_counter()
+        out = step()
+        return (time.perf_counter() - t0) * 1e3, out
+
+    def run_shape(self, shape: str, model, engine) -> None:
+        res, batch = parse_shape(shape)
+        inp: StepInputs = make_inputs(self.config, res, batch, self.device)
+        rows = [Row(**{**r.__dict__, "times": []}) for r in ROWS]
+        steps: dict[str, Callable[[], tuple]] = {}
+        outputs: dict[str, tuple] = {}
+        errors: dict[str, str] = {}
+        notes: dict[str, str] = {}
+        from diffusers.models.attention_dispatch import attention_backend
+
+        for row in rows:
+            if row.cuda_only and not self.cuda:
+                errors[row.name] = "skipped: needs CUDA"
+                continue
+            if row.name in DIFFUSERS_BACKENDS:
+                flat = diffusers_step(model, inp)
+                backend = DIFFUSERS_BACKENDS[row.name]
+
+                def step(flat=flat, backend=backend) -> tuple:
+                    with attention_backend(backend):
+                        return flat()
+            else:
+                step = engine_step(GraphedForward(engine), inp)
+            try:
+                self.prepare(row, engine)
+                for _ in range(self.args.warmup):
+                    outputs[row.name] = step()
+            except Exception as e:  # noqa: BLE001 - recorded; a graph capture that fails retries eagerly
+                if row.group is None or not self.cuda:
+                    errors[row.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                    continue
+                notes[row.name] = f"eager, graph capture failed: {type(e).__name__}"
+                step = engine_step(engine, inp)
+                outputs[row.name] = step()
+            steps[row.name] = step
+        for _ in range(self.args.repeats):  # interleaved rounds
+            for row in rows:
+                if row.name in steps:
+                    self.prepare(row, engine)
+                    ms, outputs[row.name] = self.timed(steps[row.name])
+                    row.times.append(ms)
+        kernels.ENABLED = self.info["triton_kernels"]
+        flops = step_flops(self.config, res, batch)
+        for row in rows:
+            r = {"row": row.name, "shape": shape, "attention": row.attention, "patch_group": row.group,
+                 "triton_kernels": row.triton and self.info["triton_kernels"] if row.group else None,
+                 "note": notes.get(row.name, "")}
+            if row.name in errors:
+                self.results.append({**r, "error": errors[row.name]})
+                continue
+            ref = outputs.get(row.reference) if row.reference else None
+            v, x_next = outputs[row.name]
+            med = statistics.median(row.times)
+            r.update({"times_ms": row.times, "median_ms": med, "min_ms": min(row.times), "max_ms": max(row.times),
+                      "tflops": flops / (med * 1e-3) / 1e12, "reference": row.reference,
+                      "bitwise": None if ref is None else torch.equal(v, ref[0]) and torch.equal(x_next, ref[1]),
+                      "max_abs_diff": None if ref is None else (v.float() - ref[0].float()).abs().max().item()})
+            if row.reference and ref is None:
+                r["bitwise_error"] = f"its reference {row.reference} did not run"
+            self.results.append(r)
+        for r in self.results:
+            if r["shape"] == shape and "error" not in r:
+                for base in DIFFUSERS_BACKENDS:
+                    b = next((x for x in self.results if x["shape"] == shape and x["row"] == base and "error" not in x),
+                             None)
+                    if b is not None:
+                        tie = r["min_ms"] <= b["max_ms"] and b["min_ms"] <= r["max_ms"]
+                        if r["row"] != base:
+                            r[f"speedup_vs_{base}"] = b["median_ms"] / r["median_ms"]
+                            r[f"tie_vs_{base}"] = tie
+        self.save()
+
+
+def fmt_speedup(r: dict, base: str) -> str:
+    s = r.get(f"speedup_vs_{base}")
+    return "-" if s is None else f"{s:.2f}" + (" tie" if r.get(f"tie_vs_{base}") else "")
+
+
+def print_table(bench: Bench) -> bool:
+    """The table, the goal line; True if every pairing that ran is bitwise."""
+    head = (f"{'row':22s} {'shape':7s} {'attn':5s} {'median ms':>10s} {'min-max ms':>19s} {'TFLOP/s':>8s} "
+            f"{'x d_flash':>10s} {'x d_cudnn':>10s} {'bitwise':>8s}")
+    print("\n" + head + "\n" + "-" * len(head))
+    ok = True
+    for r in bench.results:
+        if "error" in r:
+            print(f"{r['row']:22s} {r['shape']:7s} {r['attention']:5s} {r['error']}")
+            continue
+        bit = "-" if r["bitwise"] is None and "bitwise_error" not in r else str(r["bitwise"])
+        ok &= r["bitwise"] is not False and "bitwise_error" not in r
+        print(f"{r['row']:22s} {r['shape']:7s} {r['attention']:5s} {r['median_ms']:10.2f} "
+              f"{r['min_ms']:9.2f}-{r['max_ms']:<9.2f} {r['tflops']:8.1f} {fmt_speedup(r, 'diffusers_flash'):>10s} "
+              f"{fmt_speedup(r, 'diffusers_cudnn'):>10s} {bit:>8s}" + (f"  ({r['note']})" if r["note"] else ""))
+    goal = [r for r in bench.results if r["shape"] == GOAL_SHAPE and r["row"].startswith("engine_parity_")
+            and r["row"] != "engine_parity_unfused" and r.get("bitwise")]
+    if goal:
+        best = max(goal, key=lambda r: r["speedup_vs_diffusers_flash"])
+        met = best["speedup_vs_diffusers_flash"] >= GOAL_SPEEDUP and not best["tie_vs_diffusers_flash"]
+        print(f"goal: parity mode >= {GOAL_SPEEDUP}x diffusers _native_flash eager at {GOAL_SHAPE}: "
+              f"{best['row']} {best['speedup_vs_diffusers_flash']:.2f}x -> {'met' if met else 'missed'}")
+    print("every pairing bitwise:", ok)
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file (rewritten after every shape)")
+    ap.add_argument("--shapes", default="512x1,1024x4", help="comma-separated RESOLUTIONxBATCH (default 512x1,1024x4)")
+    ap.add_argument("--size", default="full", help="transformer preset (tiny: a CPU smoke run)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row and shape (include graph capture)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed rounds (each runs every row once)")
+    ap.add_argument("--disable-patch", action="append", default=[], metavar="NAME",
+                    help="switch one patch off in every engine row (repeatable): what that patch buys")
+    args = ap.parse_args()
+    shapes = args.shapes.split(",")
+    for s in shapes:
+        try:
+            parse_shape(s)
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
+    if args.warmup < 1 or args.repeats < 1:
+        ap.error("--warmup and --repeats must be at least 1")
+    unknown = sorted(set(args.disable_patch) - set(get_group("qwen_image").patch_names))
+    if unknown:
+        ap.error(f"unknown patch(es) {', '.join(unknown)}; the group's patches: "
+                 f"{', '.join(get_group('qwen_image').patch_names)}")
+    try:
+        config = transformer_config(args.size)
+    except ValueError as e:
+        ap.error(str(e))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bench = Bench(args, config, device)
+    import diffusers  # the benchmark's one diffusers import besides the presets; never in engine code
+
+    bench.info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
+                  "device": torch.cuda.get_device_name() if bench.cuda else platform.processor(), "size": args.size,
+                  "date": time.strftime("%Y-%m-%d"), "triton_kernels": kernels.ENABLED, "warmup": args.warmup,
+                  "repeats": args.repeats, "disabled_patches": args.disable_patch, "cudnn_version": torch.backends.cudnn.version() if bench.cuda else None}
+    if kernels.HAS_TRITON:
+        import triton
+
+        bench.info["triton"] = triton.__version__
+    print(bench.info, flush=True)
+    t0 = time.perf_counter()
+    model = build_transformer(config, seed=0, dtype=BF16, device=device).requires_grad_(False)
+    engine = build_engine_transformer(config, model.state_dict(), device, BF16, "qwen_image", args.disable_patch)
+    print(f"diffusers model and engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+    with torch.no_grad():
+        for shape in shapes:
+            t0 = time.perf_counter()
+            bench.run_shape(shape, model, engine)
+            gc.collect()
+            if bench.cuda:
+                torch.cuda.empty_cache()
+            print(f"  {shape}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0 if print_table(bench) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
