@@ -121,6 +121,9 @@ def test_long_prompts_are_refused_before_tokenizing(url):
         r = post(url, route, body)
         assert r.status_code == 413 and "larger than" in error_of(r)[0], r.text
         assert time.monotonic() - start < 5
+    chunks = (b"\x00" * (1 << 20) for _ in range(10))  # chunked: no content-length to refuse it by
+    r = httpx.post(f"{url}/rollout/generate", content=chunks, headers={"content-type": MSGPACK}, timeout=60)
+    assert r.status_code == 413 and "larger than" in error_of(r)[0], r.text
 
 
 @pytest.mark.parametrize("route, body", [
