@@ -134,6 +134,16 @@ def test_prompts_that_are_a_folder(tmp_path, capsys):
     assert_one_line_error(rc, err, f"--prompts {tmp_path}", "a folder", "text file")
 
 
+def test_paths_that_cannot_be_used(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    rc, _, err = train(capsys, "--output-dir", str(tmp_path / "a_file" / "run"))
+    assert_one_line_error(rc, err, "--output-dir", "cannot create it")
+    rc, _, err = train(capsys, "--checkpoint", str(tmp_path), "--output-dir", str(tmp_path / "run"))
+    assert_one_line_error(rc, err, f"--checkpoint {tmp_path}: not a diffusers pipeline folder")
+    rc, _, err = train(capsys, "--output-dir", "")
+    assert_one_line_error(rc, err, "output_dir = ''", "at least 1 character")
+
+
 def test_an_existing_run_is_kept(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
@@ -202,9 +212,12 @@ class _Opaque:
     (["--lora-rank", "4"], "--model.lora-rank 4 (the run has 8)"),
     (["--sampler", "cps"], "--rollout.sampler cps (the run has sde)"),
     (["--seed", "1"], "--seed 1 (the run has 0)"),
-    (["--checkpoint", "."], "--model.checkpoint . (the run has runs/tiny-checkpoint)"),
+    (["--checkpoint", "pipe"], "--model.checkpoint pipe (the run has runs/tiny-checkpoint)"),
 ])
-def test_a_resume_refuses_settings_that_change_the_math(tmp_path, capsys, argv, shown):
+def test_a_resume_refuses_settings_that_change_the_math(tmp_path, capsys, monkeypatch, argv, shown):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")  # enough for the checks before loading
     run = tmp_path / "run"
     fake_checkpoint(run, 1, TrainConfig(output_dir=str(run), checkpoint=str(DEFAULT_CHECKPOINT)))
     before = digest(run)

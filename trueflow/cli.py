@@ -152,6 +152,9 @@ def _run_train(a: argparse.Namespace) -> int:
     except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint intact
         raise ValueError(f"{e} (the run stopped; its last checkpoint is intact: fix the reward and --resume, or "
                          "--reward-on-error skip to drop failing prompt groups)") from None
+    except KeyboardInterrupt:  # Ctrl-C: what was written stays; the run resumes from its last checkpoint
+        print("trueflow train: interrupted (--resume continues from the last checkpoint)", file=sys.stderr)
+        return 130
     if out is not None:
         print(f"run written to {out} (metrics.jsonl, summary.md, samples/, checkpoints/)")
     return 0

@@ -46,8 +46,9 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # top level: the run itself
-    output_dir: str = _f("runs/train", "run folder: metrics.jsonl, checkpoints/, samples/, summary.md", None)
-    seed: int = _f(0, "random seed", None, ge=0)
+    output_dir: str = _f("runs/train", "run folder: metrics.jsonl, checkpoints/, samples/, summary.md", None,
+                         min_length=1)
+    seed: int = _f(0, "random seed", None, ge=0, le=2**32 - 1)
     sample_every: int = _f(1, "write a sample grid every K rollouts (0: never)", None, ge=0)
     tensorboard: bool = _f(False, "also write TensorBoard events", None)
     wandb: bool = _f(False, "also log to Weights & Biases (WANDB_MODE=offline keeps it on disk, in the run folder)",
@@ -57,7 +58,7 @@ class TrainConfig(BaseModel):
     debug: bool = _f(False, "write snapshots of every rollout step", None)
     # model
     checkpoint: str | None = _f(None, "diffusers Qwen-Image pipeline folder (default: a tiny one made under "
-                                      "runs/tiny-checkpoint on first use)", "model")
+                                      "runs/tiny-checkpoint on first use)", "model", min_length=1)
     dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
     use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
     lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
@@ -67,7 +68,8 @@ class TrainConfig(BaseModel):
                                              "forward's values, hence parity, are unchanged)", "model")
     fsdp_attention_backend: str = _f(PARITY_BACKEND, "diffusers attention backend of the train forward", "model")
     # rollout
-    prompts: str | None = _f(None, "text file, one prompt per line (default: the embedded demo prompts)", "rollout")
+    prompts: str | None = _f(None, "text file, one prompt per line (default: the embedded demo prompts)", "rollout",
+                             min_length=1)
     num_rollouts: int = _f(3, "rollouts (each followed by num_steps_per_rollout optimizer steps)", "rollout", ge=1)
     rollout_batch_size: int = _f(2, "prompts per rollout", "rollout", "batch_size", ge=1)
     n_samples_per_prompt: int = _f(4, "samples per prompt (the GRPO group)", "rollout", ge=2)
@@ -114,7 +116,8 @@ class TrainConfig(BaseModel):
     # reward
     reward: str = _f("redness", "reward spec: name, name:w,name2:w2, module:function or http://HOST:PORT",
                      "reward", "name", min_length=1)
-    reward_model: str | None = _f(None, "local model folder of the reward (e.g. PickScore)", "reward", "model")
+    reward_model: str | None = _f(None, "local model folder of the reward (e.g. PickScore)", "reward", "model",
+                                  min_length=1)
     reward_placement: Literal["trainer", "engine"] = _f(
         "trainer", "where the reward runs: the trainer's rank 0, or the engine process (with engine_process)",
         "reward", "placement")

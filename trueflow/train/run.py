@@ -34,15 +34,19 @@ def _check_before_loading(cfg: TrainConfig) -> tuple | None:
     load_prompts(cfg.prompts)
     if cfg.checkpoint is None:
         cfg.checkpoint = str(DEFAULT_CHECKPOINT)
-    elif not Path(cfg.checkpoint).is_dir():
-        raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: no such folder (a diffusers pipeline folder; "
-                                "leave it unset for the tiny demo checkpoint)")
+    elif not (Path(cfg.checkpoint) / "model_index.json").is_file():
+        raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: not a diffusers pipeline folder (no model_index.json); "
+                                "leave it unset for the tiny demo checkpoint")
     _check_schedule(cfg)
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--output-dir {out} is a file: name a folder")
     if not cfg.resume and (out / "metrics.jsonl").exists():
         raise FileExistsError(f"{out} holds a run: use --resume to continue it, or another --output-dir")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-dir {out}: cannot create it ({e.strerror})") from None
     resumed = ckpt.load_latest(out) if cfg.resume else None
     if resumed is not None:
         path, _, _, state = resumed
