@@ -165,3 +165,25 @@ def test_one_block_real_width():
         res, res_out = probe.run("qwen_image", (disabled,))
         assert res.patches_applied == [p for p in GROUP.patch_names if p != disabled]
         assert_not_bitwise_result(probe, res, res_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("train_backend", ["_native_flash", "_native_cudnn"])
+def test_attention_pairings_bitwise_on_cuda(train_backend):
+    """A real-width block on the GPU, microgroup 4, text 128, LoRA 64: the group made for the train side's backend
+    (`qwen_image:<backend>`, with the eager-exact kernels on) is bitwise that backend's diffusers forward; the other
+    pairing's kernel is not."""
+    from trueflow import kernels
+
+    assert kernels.ENABLED, "the eager-exact kernels are what this test is about (TRUEFLOW_TRITON=0 is set?)"
+    probe = ParityProbe(ProbeSpec(random_size="one_block", batch=4, text_len=128, resolution=512, lora_rank=64,
+                                  device="cuda"))
+    probe.train_backend = train_backend
+    probe._train_forward()
+    result, out = probe.run(f"qwen_image:{train_backend}")
+    assert result.engine_attention_backend == {"_native_flash": "flash", "_native_cudnn": "cudnn"}[train_backend]
+    assert_bitwise_result(probe, result, out)
+    other = {"_native_flash": "qwen_image:_native_cudnn", "_native_cudnn": "qwen_image"}[train_backend]
+    off, off_out = probe.run(other)
+    assert_not_bitwise_result(probe, off, off_out)

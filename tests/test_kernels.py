@@ -270,6 +270,13 @@ def layer_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 
+def failure_side(once: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """The engine's once-rounded fast op differs from the op sequence: shown on the inputs large enough to be sure
+    of it (a few dozen elements may all round alike; the crafted tests show it for single values)."""
+    if ref.numel() >= 4096:
+        assert_differs(once, ref, what)
+
+
 def craft(value: float, shape, dev: str) -> torch.Tensor:
     return torch.full(shape, value, dtype=BF16, device=dev)
 
@@ -289,8 +296,7 @@ def test_mul_add_exact(exact, shape, k):
     # diffusers' gated residual `hidden_states + gate.unsqueeze(1) * output` (k = 0); the engine's mul-add for k != 0
     ref = c + b[:, None] * a if k == 0 else c + a * (k + b[:, None])
     assert_bitwise(P.mul_add_exact(a, b, c, k), ref, "mul_add_exact")
-    if shape[1] > 1:
-        assert_differs(mul_add_fused(a, b, c, k), ref, "once-rounded mul_add")
+    failure_side(mul_add_fused(a, b, c, k), ref, "once-rounded mul_add")
 
 
 @pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
@@ -313,7 +319,7 @@ def test_layer_norm_scale_shift_exact(exact, shape, diffusers_block):
     shift, scale, _ = mod.chunk(3, dim=-1)
     ref, _ = diffusers_block.to(dev)._modulate(layer_norm(x), mod)
     assert_bitwise(P.layer_norm_scale_shift_exact(x, shift, scale, EPS), ref, "layer_norm_scale_shift_exact")
-    assert_differs(layer_norm_scale_shift_fused(x, shift, scale, EPS), ref, "once-rounded layer_norm_scale_shift")
+    failure_side(layer_norm_scale_shift_fused(x, shift, scale, EPS), ref, "once-rounded layer_norm_scale_shift")
 
 
 @pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
@@ -345,7 +351,7 @@ def test_scale_residual_layer_norm_scale_shift_exact(exact, shape, diffusers_blo
     assert_bitwise(r, r_ref, "residual")
     assert_bitwise(out, out_ref, "normed + modulated")
     r_once, out_once = scale_residual_layer_norm_scale_shift_fused(residual, y, gate1, shift2, scale2, EPS)
-    assert_differs(out_once, out_ref, "once-rounded")
+    failure_side(out_once, out_ref, "once-rounded")
 
 
 @pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
@@ -360,7 +366,7 @@ def test_rms_norm_exact(exact, shape):
         norm.weight.copy_(randn(shape[-1:], 10, std=0.1, mean=1.0))
         ref = norm(x)
     assert_bitwise(P.rms_norm_exact(x, norm.weight.detach(), EPS), ref, "rms_norm_exact")
-    assert_differs(rms_norm_fused(x, norm.weight.detach(), EPS), ref, "once-rounded rms_norm")
+    failure_side(rms_norm_fused(x, norm.weight.detach(), EPS), ref, "once-rounded rms_norm")
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -413,9 +419,9 @@ def test_qk_norm_rope_exact(exact, shape):
         got = ops.rms_norm_eager_bf16(x, w, EPS, tables.freqs, out=buf[:, 2:], complex_fma=False)
     assert got.data_ptr() == buf[:, 2:].data_ptr() and (buf[:, :2] == 0).all(), "written in place, rows 2.. only"
     assert_bitwise(got, ref, "qk_norm_rope_exact")
-    assert_differs(qk_norm_rope_fused(x, w, EPS, RopeTables(cos=tables.freqs.real.contiguous(),
-                                                            sin=tables.freqs.imag.contiguous())),
-                   ref, "once-rounded qk_norm_rope")
+    failure_side(qk_norm_rope_fused(x, w, EPS, RopeTables(cos=tables.freqs.real.contiguous(),
+                                                          sin=tables.freqs.imag.contiguous())),
+                 ref, "once-rounded qk_norm_rope")
 
 
 @INTERPRETER
