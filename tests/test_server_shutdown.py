@@ -1,5 +1,5 @@
 """`trueflow serve` in a subprocess on loopback, busy with a rollout of minutes: SIGTERM or SIGINT makes it stop
-taking work, stop the rollout, answer its client and exit within 10 seconds."""
+taking work, stop the rollout, answer its client 503 and exit within 10 seconds."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_a_busy_server_exits_on_a_signal(tiny_checkpoint, sig):
         assert time.monotonic() - start < 10
         assert rc in (0, -signal.SIGTERM), (rc, proc.stdout.read().decode())  # SIGTERM: uvicorn re-raises it
         client.join(10)
-        r = answer["r"]
-        assert isinstance(r, httpx.HTTPError) or r.status_code == 503 and "shutting down" in r.json()["error"], r
+        r = answer["r"]  # answered, not dropped: the rollout stopped at its next step
+        assert not isinstance(r, Exception) and r.status_code == 503, r
+        assert r.json()["error"] == "the server is shutting down; the request was stopped while it ran"
         log = proc.stdout.read().decode()
         assert "Traceback" not in log, log

@@ -632,19 +632,18 @@ def serve(checkpoint: str, host: str, port: int, patch_group: str = "none",
     running rollout at its next step, answers the waiting requests 503 and exits."""
     import uvicorn
 
-    engine = Engine(checkpoint, patch_group, disabled_patches, device, dtype)
-    app = create_app(engine, limits, default_seed, weights_root)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
-            app.state.worker.close()  # uvicorn alone would wait for the running request, however long
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+        app = create_app(Engine(checkpoint, patch_group, disabled_patches, device, dtype), limits, default_seed,
+                         weights_root)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+                app.state.worker.close()  # uvicorn alone would wait for the running request, however long
+                super().handle_exit(sig, frame)
+
+        Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                              timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
+    except KeyboardInterrupt:  # Ctrl-C while loading, or the SIGINT uvicorn re-raises once it has shut down
         pass
 
 
