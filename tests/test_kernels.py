@@ -56,8 +56,8 @@ class Fallback:
     rms_norm = staticmethod(rms_norm_fused)
 
     @staticmethod
-    def qk_norm_rope(x, weight, eps, cos, sin):
-        return qk_norm_rope_fused(x, weight, eps, RopeTables(cos=cos, sin=sin))
+    def qk_norm_rope(x, weight, eps, cos, sin, out=None):
+        return qk_norm_rope_fused(x, weight, eps, RopeTables(cos=cos, sin=sin), out)
 
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set from the process's start: the child run
@@ -191,6 +191,10 @@ def test_qk_norm_rope(impl, shape):
     out = ops.qk_norm_rope(x.to(dev), weight.to(dev), EPS, tables.cos.to(dev), tables.sin.to(dev))
     assert out.is_contiguous()
     assert_one_rounding(out, rope64(x, weight, tables.cos, tables.sin), "qk_norm_rope", ulps)
+    # into the image rows of a joint attention buffer, as JointAttention passes it: the same bits, nothing else written
+    buf = torch.zeros(B, S + 3, H, D, dtype=BF16, device=dev)
+    into = ops.qk_norm_rope(x.to(dev), weight.to(dev), EPS, tables.cos.to(dev), tables.sin.to(dev), buf[:, 3:])
+    assert into.data_ptr() == buf[:, 3:].data_ptr() and torch.equal(buf[:, 3:], out) and (buf[:, :3] == 0).all()
 
 
 def test_double_rounding_breaks_the_bound():
