@@ -126,20 +126,24 @@ def test_long_prompts_are_refused_before_tokenizing(url):
     assert r.status_code == 413 and "larger than" in error_of(r)[0], r.text
 
 
-@pytest.mark.parametrize("route, body", [
-    ("images", {"prompt": "x", "size": "4096x4096", "steps": 4}),  # the audit's requests
-    ("images", {"prompt": "x", "steps": 100_000}),
-    ("rollout", {**ROLLOUT, "steps": 100_000}),
-    ("rollout", {**ROLLOUT, "steps": 10**18}),
-    ("rollout", {**ROLLOUT, "n_per_prompt": 10**18}),
-    ("images", {"prompt": "x", "size": "999999x999999"}),
-    ("images", {"prompt": "x", "size": "9" * 5000 + "x16"}),  # no 5000-digit int() (a ValueError, a 500)
+@pytest.mark.parametrize("route, body, match", [  # the audit's requests, and a few more
+    ("images", {"prompt": "x", "size": "4096x4096", "steps": 4}, "--max-pixels"),
+    ("images", {"prompt": "x", "steps": 100_000}, "--max-steps"),
+    ("rollout", {**ROLLOUT, "steps": 100_000}, "--max-steps"),
+    ("rollout", {**ROLLOUT, "steps": 10**18}, "--max-steps"),
+    ("rollout", {**ROLLOUT, "n_per_prompt": 10**18}, "--max-samples"),
+    ("rollout", {**ROLLOUT, "prompts": ["x" * 10_000_000]}, "10000000 characters"),
+    ("images", {"prompt": "x" * 10_000_000}, "10000000 characters"),
+    ("images", {"prompt": "x", "size": "999999x999999"}, "multiple of 16"),
+    ("images", {"prompt": "x", "size": "9" * 5000 + "x16"}, "WIDTHxHEIGHT"),  # no 5000-digit int(): a 500
 ])
-def test_the_audits_requests_are_refused_at_once(url, route, body):
-    start = time.monotonic()
-    r = post(url, route, body)
-    assert r.status_code == 400, r.text
-    assert time.monotonic() - start < 5 and health(url).json()["queue_depth"] == 0
+def test_the_audits_requests_are_refused_at_once_under_the_default_limits(engine, route, body, match):
+    with serve_in_thread(create_app(engine)) as url:
+        start = time.monotonic()
+        r = post(url, route, body)
+        assert r.status_code == 400, r.text
+        assert match in error_of(r)[0], r.text
+        assert time.monotonic() - start < 5 and health(url).json()["queue_depth"] == 0
 
 
 def test_frames_are_bounded():
