@@ -153,8 +153,10 @@ class JointAttention(nn.Module):
         v[:, seq_txt:].copy_(iv)
         if mask is not None:  # text mask [B, L] -> joint key mask [B, L + S]
             mask = torch.cat([mask, mask.new_ones(img.shape[0], img.shape[1])], dim=1)
-        out = attention(q, k, v, mask, self.backend).flatten(2, 3).to(q.dtype)
-        txt_out, img_out = out[:, :seq_txt], out[:, seq_txt:]
+        out = attention(q, k, v, mask, self.backend).to(q.dtype)
+        # Split, then flatten the heads: a heads-major output (cuDNN's) is copied once per stream, where diffusers'
+        # flatten-then-split copies it twice; copies move bits, so the values are the same.
+        txt_out, img_out = out[:, :seq_txt].flatten(2, 3), out[:, seq_txt:].flatten(2, 3)
         if self.contiguous_split:
             txt_out, img_out = txt_out.contiguous(), img_out.contiguous()
         return self.to_out(img_out), self.to_add_out(txt_out)
