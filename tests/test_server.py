@@ -115,7 +115,7 @@ def test_health(url, tiny_checkpoint):
                       "threads": TEST_THREADS, "busy": False, "queue_depth": 0, "running_for_s": None,
                       "limits": {"max_steps": 100, "max_pixels": 2048 * 2048, "max_frames": 1,
                                  "max_prompt_tokens": 1024, "max_samples": 8, "max_queue": 16,
-                                 "request_timeout": 600.0}}
+                                 "request_timeout": 3600.0}}
 
 
 def test_rollout_round_trip_is_bitwise(url, reference):

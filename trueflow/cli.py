@@ -252,7 +252,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
             (("--max-prompt-tokens",), "max_prompt_tokens", int, 1024, "most tokens of a prompt or negative prompt"),
             (("--max-samples", "--max-batch"), "max_samples", int, 64, "most samples (prompts x n) per request"),
             (("--max-queue",), "max_queue", int, 16, "most generation requests waiting for the engine (more: 503)"),
-            (("--request-timeout",), "request_timeout", float, 600.0,
+            (("--request-timeout",), "request_timeout", float, 3600.0,
              "seconds a generation request may take, queue included, before its rollout stops (504)")]:
         p.add_argument(*flags, dest=dest, type=kind, default=default, metavar="N" if kind is int else "SECONDS",
                        help=f"{what} (default: {default})")

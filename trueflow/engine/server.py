@@ -86,7 +86,7 @@ class Limits:
     max_prompt_tokens: int = TOKENIZER_MAX_LENGTH  # tokens of each prompt and of the negative prompt
     max_samples: int = 64  # prompts x n_per_prompt of one request
     max_queue: int = 16  # generation requests waiting behind the running engine call
-    request_timeout: float = 600.0  # seconds from a generation request's arrival to its answer
+    request_timeout: float = 3600.0  # seconds from a generation request's arrival to its answer (`remote_rollout`'s)
 
     def __post_init__(self) -> None:
         for f in fields(self):
