@@ -72,8 +72,8 @@ def tokens(tiny_checkpoint, text: str) -> int:
 @pytest.mark.parametrize("route, at, past, match, param", [
     ("rollout", {"steps": 3}, {"steps": 4}, r"4 denoising steps; .* at most 3 \(--max-steps\)", None),
     ("images", {"steps": 3}, {"steps": 4}, r"4 denoising steps; .* at most 3 \(--max-steps\)", "steps"),
-    ("rollout", {"height": 32, "width": 48}, {"height": 48, "width": 48}, r"2304 pixels .* at most 1536 \(--max-pixels\)",
-     None),
+    ("rollout", {"height": 32, "width": 48}, {"height": 48, "width": 48},
+     r"2304 pixels .* at most 1536 \(--max-pixels\)", None),
     ("images", {"size": "48x32"}, {"size": "48x48"}, r"2304 pixels .* at most 1536 \(--max-pixels\)", "size"),
     ("rollout", {"prompts": ["a", "b"]}, {"prompts": ["a", "b", "c"]}, r"3 samples .* at most 2 \(--max-samples\)",
      None),

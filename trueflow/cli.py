@@ -251,7 +251,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
             (("--max-frames",), "max_frames", int, 1, "most frames per sample (image families make 1)"),
             (("--max-prompt-tokens",), "max_prompt_tokens", int, 1024, "most tokens of a prompt or negative prompt"),
             (("--max-samples", "--max-batch"), "max_samples", int, 64, "most samples (prompts x n) per request"),
-            (("--max-queue",), "max_queue", int, 16, "most generation requests waiting for the engine (more: 503)"),
+            (("--max-queue",), "max_queue", int, 16,
+             "most engine calls a generation request may find waiting (more: 503)"),
             (("--request-timeout",), "request_timeout", float, 3600.0,
              "seconds a generation request may take, queue included, before its rollout stops (504)")]:
         p.add_argument(*flags, dest=dest, type=kind, default=default, metavar="N" if kind is int else "SECONDS",

@@ -85,7 +85,7 @@ class Limits:
     max_frames: int = 1  # frames per sample; image families make one
     max_prompt_tokens: int = TOKENIZER_MAX_LENGTH  # tokens of each prompt and of the negative prompt
     max_samples: int = 64  # prompts x n_per_prompt of one request
-    max_queue: int = 16  # generation requests waiting behind the running engine call
+    max_queue: int = 16  # engine calls a generation request may find waiting (weight updates always queue)
     request_timeout: float = 3600.0  # seconds from a generation request's arrival to its answer (`remote_rollout`'s)
 
     def __post_init__(self) -> None:
@@ -553,7 +553,8 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
         status = "shutting_down" if worker.closed else "stuck" if stuck else "ok"
         return JSONResponse({
             "status": status, "checkpoint": engine.checkpoint, "patch_group": engine.patch_group,
-            "disabled_patches": list(engine.disabled_patches), "patches_applied": list(engine.transformer.patches_applied),
+            "disabled_patches": list(engine.disabled_patches),
+            "patches_applied": list(engine.transformer.patches_applied),
             "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device), "threads": threads,
             "busy": running is not None, "queue_depth": worker.depth,
             "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits)},
