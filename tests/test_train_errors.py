@@ -5,6 +5,7 @@ falls back past a damaged checkpoint and refuses settings that change the run's 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -291,3 +292,24 @@ def test_a_resume_past_a_truncated_checkpoint_runs_on(saved_run, tmp_path, capsy
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["trainer_checksum"] == reference[1]["trainer_checksum"], "step 2 redone from step 1's state"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
+
+
+@pytest.mark.slow
+def test_a_failing_reward_stops_every_rank(tiny_checkpoint, tmp_path):
+    """Two FSDP ranks: the reward runs on rank 0 only, and its failure reaches rank 1, which would otherwise wait
+    for the rollout forever."""
+    from trueflow.train.dist import free_port
+
+    (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TRUEFLOW_TEST_REWARD": "nan",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "trueflow", "train", "--checkpoint", str(tiny_checkpoint),
+           "--output-dir", str(tmp_path / "run"), *FAST, "--rollout-batch-size", "2",
+           "--reward", f"{REWARD_MODULE}:score"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    # each rank exits 2 with the one line (rank 0's may follow its progress bar on the same line)
+    assert proc.stderr.count("trueflow train: error: reward") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("returned nan for image 0") == 2 and "exitcode  : 2" in proc.stderr
+    assert "/trueflow/" not in proc.stderr, "no traceback through trueflow (torchrun prints its own)"
