@@ -42,6 +42,7 @@ from trueflow import kernels
 from trueflow.checkpoints.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward
 from trueflow.engine.weights import build_engine_transformer
+from trueflow.models.qwen_image.patches import complex_fma
 from trueflow.patches import apply_patch_group, get_group
 
 GOAL_SHAPE, GOAL_SPEEDUP = "1024x4", 1.2  # issue K: parity mode >= 1.2x diffusers `_native_flash` eager there
@@ -253,6 +254,9 @@ def main() -> int:
     model = build_transformer(config, seed=0, dtype=BF16, device=device).requires_grad_(False)
     engine = build_engine_transformer(config, model.state_dict(), device, BF16, "qwen_image", args.disable_patch)
     print(f"diffusers model and engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+    if bench.cuda and kernels.ENABLED:  # the qk kernel variant parity mode runs here (see `complex_fma`)
+        bench.info["complex_product_fma"] = complex_fma(torch.device("cuda", torch.cuda.current_device()))
+        print(f"complex product rounding found on this GPU: fma={bench.info['complex_product_fma']}", flush=True)
     with torch.no_grad():
         for shape in shapes:
             t0 = time.perf_counter()

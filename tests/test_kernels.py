@@ -416,11 +416,11 @@ def test_qk_norm_rope_exact(exact, shape):
     with torch.no_grad():
         ref = apply_rotary_emb_qwen(norm(x), tables.freqs, use_real=False)
     buf = torch.zeros(B, H, S + 2, D, dtype=BF16, device=dev).permute(0, 2, 1, 3)
-    ops = kernels.ops()
-    if dev == "cuda":
-        got = P.qk_norm_rope_exact(x, w, EPS, tables, out=buf[:, 2:])
-    else:  # on the CPU diffusers' complex product rounds every product: the kernel's CPU variant is the equal one
-        got = ops.rms_norm_eager_bf16(x, w, EPS, tables.freqs, out=buf[:, 2:], complex_fma=False)
+    got = P.qk_norm_rope_exact(x, w, EPS, tables, out=buf[:, 2:])
+    # The kernel variant is the device's complex-product rounding, found by running PyTorch's: on the CPU every
+    # product rounds; on CUDA some variant must reproduce it (nvcc's contraction: True).
+    fma = P.complex_fma(x.device)
+    assert fma is False if dev == "cpu" else fma is not None, fma
     assert got.data_ptr() == buf[:, 2:].data_ptr() and (buf[:, :2] == 0).all(), "written in place, rows 2.. only"
     assert_bitwise(got, ref, "qk_norm_rope_exact")
     failure_side(qk_norm_rope_fused(x, w, EPS, RopeTables(cos=tables.freqs.real.contiguous(),
@@ -429,10 +429,10 @@ def test_qk_norm_rope_exact(exact, shape):
 
 
 @INTERPRETER
-def test_qk_norm_rope_cuda_variant_interpreter(monkeypatch):
-    """The kernel's CUDA variant (what `qk_norm_rope_exact` runs on CUDA) is the CUDA formula bitwise, on a sample
-    (seed 101) in which fusing the multiply-add changes both a real and an imaginary part."""
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+def test_qk_norm_rope_cuda_variant_interpreter():
+    """The kernel's CUDA variant (what `qk_norm_rope_exact` runs where PyTorch fuses the complex product's
+    multiply-add) is the CUDA formula bitwise, on a sample (seed 101) in which fusing changes both a real and an
+    imaginary part."""
     S, H, D = 37, 24, 128
     x = randn((1, S, H, D), 101, std=2.0)
     w = randn((D,), 12, std=0.1, mean=1.0)
@@ -442,4 +442,5 @@ def test_qk_norm_rope_cuda_variant_interpreter(monkeypatch):
     cpu = P.qk_norm_rope_reference(x, w, EPS, tables)  # every product rounded
     differs = (formula != cpu).flatten(-2).unflatten(-1, (-1, 2))
     assert differs[..., 0].any() and differs[..., 1].any(), "the sample must tell the two roundings apart"
-    assert_bitwise(P.qk_norm_rope_exact(x, w, EPS, tables), formula, "CUDA variant vs the CUDA formula")
+    got = kernels.ops().rms_norm_eager_bf16(x, w, EPS, tables.freqs, complex_fma=True)
+    assert_bitwise(got, formula, "CUDA variant vs the CUDA formula")

@@ -228,6 +228,29 @@ def test_qk_norm_rope(case):
         assert_differs(qk_norm_rope_fused(x, weight, EPS, fast_tables), ref, "qk_norm_rope_fused")
 
 
+def test_qk_norm_rope_exact_falls_back_when_no_variant_reproduces(monkeypatch):
+    """If neither kernel variant reproduces the device's complex product (here a stand-in kernel that computes
+    nothing right), `complex_fma` says so once, with a warning, and the chain runs as the reference: still bitwise."""
+    from trueflow import kernels
+
+    class Wrong:
+        @staticmethod
+        def rms_norm_eager_bf16(x, weight, eps, freqs=None, out=None, complex_fma=True):
+            return torch.zeros_like(x)
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "ops", lambda: Wrong)
+    monkeypatch.setattr(P, "_COMPLEX_FMA", {})
+    x, w = randn((2, 5, 24, 128), 23), randn((128,), 24, std=0.1, mean=1.0)
+    rope = RotaryEmbedding((16, 56, 56), THETA)
+    rope.impl = P.rope_tables_reference
+    tables, _ = rope(1, 5, 3, torch.device("cpu"))
+    with pytest.warns(UserWarning, match="no qk-norm"):
+        got = P.qk_norm_rope_exact(x, w, EPS, tables)
+    assert P._COMPLEX_FMA == {torch.device("cpu"): None}
+    assert_bitwise(got, P.qk_norm_rope_reference(x, w, EPS, tables), "reference fallback")
+
+
 # -- timestep ------------------------------------------------------------------------------------------------
 def _timesteps() -> torch.Tensor:
     """Schedule timesteps (fp32, 0..1000): seeded random ones plus the ends and values bf16 cannot hold."""

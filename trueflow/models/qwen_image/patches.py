@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,8 @@ from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayer
 from ...layers.norms import RMSNorm
 from ...layers.rope import QKNormRope, RopeTables, into
 from ...patches import Patch, PatchGroup
-from .transformer import JointAttention, QwenImageTransformer, RotaryEmbedding, TIMESTEP_CHANNELS, TimestepEmbedding
+from .transformer import (JointAttention, QwenImageTransformer, RotaryEmbedding, TIMESTEP_CHANNELS,
+                          TimestepEmbedding, rope_positions)
 
 
 # -- RMSNorm -------------------------------------------------------------------------------------------------
@@ -126,11 +128,40 @@ def scale_residual_layer_norm_scale_shift_exact(residual, y, gate, shift, scale,
     return r, layer_norm_scale_shift_exact(r, shift, scale, eps)
 
 
+_COMPLEX_FMA: dict[torch.device, bool | None] = {}  # device -> how its complex product rounds (None: no variant)
+
+
+def complex_fma(device: torch.device) -> bool | None:
+    """How PyTorch's complex multiplication rounds on `device`, found once by running it: True if it fuses a
+    multiply-add as c10::complex compiled by nvcc does (re = fma(a, c, -b·d), im = fma(b, c, a·d)), False if it
+    rounds every product (the CPU kernel); None if neither variant of the kernel reproduces the whole qk chain
+    (the reference then runs, with a warning). The sample (786k elements) holds products where the two differ."""
+    if device not in _COMPLEX_FMA:
+        g = torch.Generator().manual_seed(101)
+        S, D, axes = 64, 128, (16, 56, 56)
+        x = (torch.randn(4, S, 24, D, generator=g) * 2).to(device, torch.bfloat16)
+        w = (torch.randn(D, generator=g) * 0.1 + 1).to(device, torch.bfloat16)
+        tables = rope_tables_reference(rope_positions(1, S, 0)[0], axes, 10000, device)
+        ref = qk_norm_rope_reference(x, w, 1e-6, tables)
+        found = [fma for fma in (True, False)
+                 if torch.equal(kernels.ops().rms_norm_eager_bf16(x, w, 1e-6, tables.freqs, complex_fma=fma), ref)]
+        _COMPLEX_FMA[device] = found[0] if found else None
+        if not found:
+            warnings.warn(f"no qk-norm + RoPE kernel variant reproduces PyTorch's complex multiplication on {device}: "
+                          f"parity mode runs that chain as eager ops (slower, still bitwise)", stacklevel=2)
+    return _COMPLEX_FMA[device]
+
+
 def qk_norm_rope_exact(x: torch.Tensor, weight: torch.Tensor, eps: float, tables: RopeTables,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """One kernel writes the normed, rotated heads straight into `out` (the joint buffer's rows) on CUDA."""
-    if _exact_kernels(x, weight):
-        return kernels.ops().rms_norm_eager_bf16(x, weight, eps, tables.freqs, out, complex_fma=True)
+    """One kernel writes the normed, rotated heads straight into `out` (the joint buffer's rows) on CUDA, in the
+    complex-product rounding `complex_fma` found on the device (found in the engine's eager warm-up forward: a CUDA
+    graph capture that comes first records the reference)."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if _exact_kernels(x, weight) and (x.device in _COMPLEX_FMA or not capturing):
+        fma = complex_fma(x.device)
+        if fma is not None:
+            return kernels.ops().rms_norm_eager_bf16(x, weight, eps, tables.freqs, out, complex_fma=fma)
     return qk_norm_rope_reference(x, weight, eps, tables, out)
 
 
