@@ -314,7 +314,11 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(verb if verb in VERBS else None).parse_args(argv)
+    parser = build_parser(verb if verb in VERBS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named with the verb whose --help lists what it takes
+        parser.exit(2, f"trueflow {args.verb}: error: unrecognized arguments: {' '.join(unknown)} "
+                       f"(see trueflow {args.verb} --help)\n")
     try:
         return VERBS[args.verb][2](args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one clear line, no traceback
