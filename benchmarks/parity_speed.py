@@ -14,6 +14,14 @@ Rows (each pairing is a train-side diffusers backend and the patch group made fo
     engine_parity_cudnn     engine, group `qwen_image:_native_cudnn` (cuDNN pinned), kernels, CUDA graphs (CUDA)
     engine_parity_unfused   engine_parity_flash with the kernels off (`TRUEFLOW_TRITON=0`): each chain as its eager
                             op sequence, i.e. parity mode without this script's subject
+    engine_fast             a second engine, group `none` (fast mode: fp32 fused kernels, packed QKV, cuDNN attention
+                            preferred), CUDA graphs; not bitwise by design (its diff to diffusers is reported)
+    diffusers_flash_graph   diffusers `_native_flash`, the whole step captured in one CUDA graph: the strongest
+                            baseline at small shapes                                         (CUDA, --graph-shapes)
+    diffusers_compile       diffusers with regional torch.compile (`compile_repeated_blocks(fullgraph=True)`): the
+                            strongest baseline at large shapes. Compiling changes the model in place, so these rows
+                            run in a second phase after every shape's first phase, interleaved with the engine rows
+                            again (each engine row appears once per phase)                 (CUDA, --compile-shapes)
 
 Check: each engine row's guided velocity and next latent are bitwise its pairing's diffusers ones (the unfused row's
 pairing is flash). Timing: after `--warmup` steps per row (graph capture included), `--repeats` rounds; each round
@@ -37,7 +45,8 @@ from typing import Callable
 
 import torch
 
-from rollout_vs_diffusers import BF16, StepInputs, diffusers_step, engine_step, make_inputs, step_flops
+from rollout_vs_diffusers import (BF16, StepInputs, cudnn_attention_error, cudnn_first, diffusers_step, engine_step,
+                                  make_inputs, step_flops, whole_step_graph)
 from trueflow import kernels
 from trueflow.checkpoints.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward
@@ -54,8 +63,10 @@ class Row:
     attention: str
     reference: str | None  # the diffusers row whose outputs this row must equal bitwise
     cuda_only: bool = False
-    group: str | None = None  # engine rows: the patch group applied before each of its steps
+    group: str | None = None  # parity-engine rows: the patch group applied before each of its steps
     triton: bool = True
+    fast: bool = False  # the fast-mode engine (group none) instead of the parity engine
+    graph: bool = False  # diffusers rows: the whole step in one CUDA graph
     times: list[float] = field(default_factory=list)
 
 
@@ -65,8 +76,16 @@ ROWS = [
     Row("engine_parity_flash", "flash", "diffusers_flash", group="qwen_image"),
     Row("engine_parity_cudnn", "cudnn", "diffusers_cudnn", cuda_only=True, group="qwen_image:_native_cudnn"),
     Row("engine_parity_unfused", "flash", "diffusers_flash", group="qwen_image", triton=False),
+    Row("engine_fast", "auto", None, fast=True),
+    Row("diffusers_flash_graph", "flash", "diffusers_flash", cuda_only=True, graph=True),
 ]
-DIFFUSERS_BACKENDS = {"diffusers_flash": "_native_flash", "diffusers_cudnn": "_native_cudnn"}
+COMPILED_ROWS = [Row("diffusers_compile", "default", None, cuda_only=True),
+                 Row("engine_parity_cudnn", "cudnn", None, cuda_only=True, group="qwen_image:_native_cudnn"),
+                 Row("engine_parity_flash", "flash", None, group="qwen_image"),
+                 Row("engine_fast", "auto", None, fast=True)]
+DIFFUSERS_BACKENDS = {"diffusers_flash": "_native_flash", "diffusers_cudnn": "_native_cudnn",
+                      "diffusers_flash_graph": "_native_flash", "diffusers_compile": None}
+BASELINES = ("diffusers_flash", "diffusers_cudnn", "diffusers_flash_graph", "diffusers_compile")
 PIXELS_PER_TOKEN = 16
 
 
@@ -107,31 +126,44 @@ class Bench:
         out = step()
         return (time.perf_counter() - t0) * 1e3, out
 
-    def run_shape(self, shape: str, model, engine) -> None:
+    def make_step(self, row: Row, model, engines: dict, inp: StepInputs) -> Callable[[], tuple]:
+        if row.name in DIFFUSERS_BACKENDS:
+            flat, backend = diffusers_step(model, inp), DIFFUSERS_BACKENDS[row.name]
+            if backend is None:
+                return flat
+            from diffusers.models.attention_dispatch import attention_backend
+
+            def step() -> tuple:
+                with attention_backend(backend):
+                    return flat()
+            return whole_step_graph(step) if row.graph else step
+        if row.fast:
+            graphed = engine_step(GraphedForward(engines["fast"]), inp)
+            if self.info.get("cudnn_attention") is not None:
+                return graphed
+
+            def fast() -> tuple:  # fast mode prefers cuDNN attention, as the engine does by default on CUDA
+                with cudnn_first():
+                    return graphed()
+            return fast
+        return engine_step(GraphedForward(engines["parity"]), inp)
+
+    def run_shape(self, shape: str, rows: list[Row], model, engines: dict, phase: str) -> None:
+        """Warm every row up, then `--repeats` interleaved rounds; results tagged with `phase`."""
         res, batch = parse_shape(shape)
         inp: StepInputs = make_inputs(self.config, res, batch, self.device)
-        rows = [Row(**{**r.__dict__, "times": []}) for r in ROWS]
+        rows = [Row(**{**r.__dict__, "times": []}) for r in rows]
         steps: dict[str, Callable[[], tuple]] = {}
         outputs: dict[str, tuple] = {}
         errors: dict[str, str] = {}
         notes: dict[str, str] = {}
-        from diffusers.models.attention_dispatch import attention_backend
-
         for row in rows:
             if row.cuda_only and not self.cuda:
                 errors[row.name] = "skipped: needs CUDA"
                 continue
-            if row.name in DIFFUSERS_BACKENDS:
-                flat = diffusers_step(model, inp)
-                backend = DIFFUSERS_BACKENDS[row.name]
-
-                def step(flat=flat, backend=backend) -> tuple:
-                    with attention_backend(backend):
-                        return flat()
-            else:
-                step = engine_step(GraphedForward(engine), inp)
+            step = self.make_step(row, model, engines, inp)
             try:
-                self.prepare(row, engine)
+                self.prepare(row, engines["parity"])
                 for _ in range(self.args.warmup):
                     outputs[row.name] = step()
             except Exception as e:  # noqa: BLE001 - recorded; a graph capture that fails retries eagerly
@@ -139,20 +171,22 @@ class Bench:
                     errors[row.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                     continue
                 notes[row.name] = f"eager, graph capture failed: {type(e).__name__}"
-                step = engine_step(engine, inp)
+                step = engine_step(engines["parity"], inp)
                 outputs[row.name] = step()
             steps[row.name] = step
         for _ in range(self.args.repeats):  # interleaved rounds
             for row in rows:
                 if row.name in steps:
-                    self.prepare(row, engine)
+                    self.prepare(row, engines["parity"])
                     ms, outputs[row.name] = self.timed(steps[row.name])
                     row.times.append(ms)
         kernels.ENABLED = self.info["triton_kernels"]
         flops = step_flops(self.config, res, batch)
+        flash = outputs.get("diffusers_flash")
         for row in rows:
-            r = {"row": row.name, "shape": shape, "attention": row.attention, "patch_group": row.group,
-                 "triton_kernels": row.triton and self.info["triton_kernels"] if row.group else None,
+            r = {"row": row.name, "shape": shape, "phase": phase, "attention": row.attention,
+                 "patch_group": "none" if row.fast else row.group,
+                 "triton_kernels": row.triton and self.info["triton_kernels"] if row.group or row.fast else None,
                  "note": notes.get(row.name, "")}
             if row.name in errors:
                 self.results.append({**r, "error": errors[row.name]})
@@ -166,47 +200,74 @@ class Bench:
                       "max_abs_diff": None if ref is None else (v.float() - ref[0].float()).abs().max().item()})
             if row.reference and ref is None:
                 r["bitwise_error"] = f"its reference {row.reference} did not run"
+            if ref is None and flash is not None and row.name != "diffusers_flash":  # e.g. fast mode: how far off
+                r["max_abs_diff_vs_diffusers_flash"] = (v.float() - flash[0].float()).abs().max().item()
             self.results.append(r)
-        for r in self.results:
-            if r["shape"] == shape and "error" not in r:
-                for base in DIFFUSERS_BACKENDS:
-                    b = next((x for x in self.results if x["shape"] == shape and x["row"] == base and "error" not in x),
-                             None)
-                    if b is not None:
-                        tie = r["min_ms"] <= b["max_ms"] and b["min_ms"] <= r["max_ms"]
-                        if r["row"] != base:
-                            r[f"speedup_vs_{base}"] = b["median_ms"] / r["median_ms"]
-                            r[f"tie_vs_{base}"] = tie
+        same = [r for r in self.results if r["shape"] == shape and r["phase"] == phase and "error" not in r]
+        for r in same:
+            for b in (x for x in same if x["row"] in BASELINES and x["row"] != r["row"]):
+                r[f"speedup_vs_{b['row']}"] = b["median_ms"] / r["median_ms"]
+                r[f"tie_vs_{b['row']}"] = r["min_ms"] <= b["max_ms"] and b["min_ms"] <= r["max_ms"]
         self.save()
 
 
-def fmt_speedup(r: dict, base: str) -> str:
-    s = r.get(f"speedup_vs_{base}")
-    return "-" if s is None else f"{s:.2f}" + (" tie" if r.get(f"tie_vs_{base}") else "")
+def fmt_speedups(r: dict) -> str:
+    out = []
+    for base in BASELINES:
+        x = r.get(f"speedup_vs_{base}")
+        if x is not None:
+            out.append(f"{base.removeprefix('diffusers_')} {x:.2f}" + (" tie" if r.get(f"tie_vs_{base}") else ""))
+    return ", ".join(out) or "-"
+
+
+def goal_lines(results: list[dict]) -> list[str]:
+    """Issue K's goals, each met or missed, from the rows that ran (a tie counts as not faster)."""
+    ok = [r for r in results if "error" not in r]
+    parity = [r for r in ok if r["row"] in ("engine_parity_flash", "engine_parity_cudnn") and r.get("bitwise") is not False]
+
+    def best(rows: list[dict], base: str, shape: str) -> dict | None:
+        rows = [r for r in rows if r["shape"] == shape and f"speedup_vs_{base}" in r]
+        return max(rows, key=lambda r: r[f"speedup_vs_{base}"]) if rows else None
+
+    lines = []
+    for text, rows, base, shape, need in (
+            (f"parity mode >= {GOAL_SPEEDUP}x diffusers _native_flash eager at {GOAL_SHAPE}", parity,
+             "diffusers_flash", GOAL_SHAPE, GOAL_SPEEDUP),
+            ("parity mode faster than diffusers _native_flash in a CUDA graph at 512x1", parity,
+             "diffusers_flash_graph", "512x1", 1.0),
+            ("fast mode >= 1.5x diffusers eager (_native_flash) at 1024x4 (stretch)",
+             [r for r in ok if r["row"] == "engine_fast"], "diffusers_flash", "1024x4", 1.5),
+            ("fast mode against regional torch.compile at 1024x4", [r for r in ok if r["row"] == "engine_fast"],
+             "diffusers_compile", "1024x4", 1.0),
+            ("parity mode against regional torch.compile at 1024x4", parity, "diffusers_compile", "1024x4", 1.0)):
+        r = best(rows, base, shape)
+        if r is not None:
+            x, tie = r[f"speedup_vs_{base}"], r[f"tie_vs_{base}"]
+            lines.append(f"goal: {text}: {r['row']} {x:.2f}x{' (tie)' if tie else ''} -> "
+                         f"{'met' if x >= need and not tie else 'missed'}")
+    slower = [f"{r['row']} at {r['shape']} vs {b}" for r in parity for b in BASELINES
+              if r.get(f"speedup_vs_{b}", 1.0) < 1.0 and not r.get(f"tie_vs_{b}")]
+    lines.append("parity mode never slower than a diffusers row: " + ("yes" if not slower else "no: " + "; ".join(slower)))
+    return lines
 
 
 def print_table(bench: Bench) -> bool:
-    """The table, the goal line; True if every pairing that ran is bitwise."""
-    head = (f"{'row':22s} {'shape':7s} {'attn':5s} {'median ms':>10s} {'min-max ms':>19s} {'TFLOP/s':>8s} "
-            f"{'x d_flash':>10s} {'x d_cudnn':>10s} {'bitwise':>8s}")
+    """The table, the goal lines; True if every pairing that ran is bitwise."""
+    head = (f"{'row':22s} {'shape':7s} {'phase':8s} {'attn':5s} {'median ms':>10s} {'min-max ms':>19s} {'TFLOP/s':>8s} "
+            f"{'bitwise':>8s}  speed-up over (same phase)")
     print("\n" + head + "\n" + "-" * len(head))
     ok = True
     for r in bench.results:
         if "error" in r:
-            print(f"{r['row']:22s} {r['shape']:7s} {r['attention']:5s} {r['error']}")
+            print(f"{r['row']:22s} {r['shape']:7s} {r['phase']:8s} {r['attention']:5s} {r['error']}")
             continue
         bit = "-" if r["bitwise"] is None and "bitwise_error" not in r else str(r["bitwise"])
         ok &= r["bitwise"] is not False and "bitwise_error" not in r
-        print(f"{r['row']:22s} {r['shape']:7s} {r['attention']:5s} {r['median_ms']:10.2f} "
-              f"{r['min_ms']:9.2f}-{r['max_ms']:<9.2f} {r['tflops']:8.1f} {fmt_speedup(r, 'diffusers_flash'):>10s} "
-              f"{fmt_speedup(r, 'diffusers_cudnn'):>10s} {bit:>8s}" + (f"  ({r['note']})" if r["note"] else ""))
-    goal = [r for r in bench.results if r["shape"] == GOAL_SHAPE and r["row"].startswith("engine_parity_")
-            and r["row"] != "engine_parity_unfused" and r.get("bitwise")]
-    if goal:
-        best = max(goal, key=lambda r: r["speedup_vs_diffusers_flash"])
-        met = best["speedup_vs_diffusers_flash"] >= GOAL_SPEEDUP and not best["tie_vs_diffusers_flash"]
-        print(f"goal: parity mode >= {GOAL_SPEEDUP}x diffusers _native_flash eager at {GOAL_SHAPE}: "
-              f"{best['row']} {best['speedup_vs_diffusers_flash']:.2f}x -> {'met' if met else 'missed'}")
+        print(f"{r['row']:22s} {r['shape']:7s} {r['phase']:8s} {r['attention']:5s} {r['median_ms']:10.2f} "
+              f"{r['min_ms']:9.2f}-{r['max_ms']:<9.2f} {r['tflops']:8.1f} {bit:>8s}  {fmt_speedups(r)}"
+              + (f"  ({r['note']})" if r["note"] else ""))
+    for line in goal_lines(bench.results):
+        print(line)
     print("every pairing bitwise:", ok)
     return ok
 
@@ -218,11 +279,17 @@ def main() -> int:
     ap.add_argument("--size", default="full", help="transformer preset (tiny: a CPU smoke run)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row and shape (include graph capture)")
     ap.add_argument("--repeats", type=int, default=10, help="timed rounds (each runs every row once)")
+    ap.add_argument("--graph-shapes", default="512x1", help="shapes with the diffusers CUDA-graph row ('' for none)")
+    ap.add_argument("--compile-shapes", default="1024x4",
+                    help="shapes of the second, torch.compile phase ('' for none; CUDA only)")
+    ap.add_argument("--no-fast", action="store_true", help="leave out fast mode (saves the second engine's memory)")
     ap.add_argument("--disable-patch", action="append", default=[], metavar="NAME",
                     help="switch one patch off in every engine row (repeatable): what that patch buys")
     args = ap.parse_args()
     shapes = args.shapes.split(",")
-    for s in shapes:
+    graph_shapes = [x for x in args.graph_shapes.split(",") if x]
+    compile_shapes = [x for x in args.compile_shapes.split(",") if x]
+    for s in shapes + graph_shapes + compile_shapes:
         try:
             parse_shape(s)
         except argparse.ArgumentTypeError as e:
@@ -252,19 +319,32 @@ def main() -> int:
     print(bench.info, flush=True)
     t0 = time.perf_counter()
     model = build_transformer(config, seed=0, dtype=BF16, device=device).requires_grad_(False)
-    engine = build_engine_transformer(config, model.state_dict(), device, BF16, "qwen_image", args.disable_patch)
-    print(f"diffusers model and engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+    engines = {"parity": build_engine_transformer(config, model.state_dict(), device, BF16, "qwen_image",
+                                                  args.disable_patch)}
+    if not args.no_fast:
+        engines["fast"] = build_engine_transformer(config, model.state_dict(), device, BF16, "none")
+    bench.info["cudnn_attention"] = cudnn_attention_error(device)
+    print(f"diffusers model and {len(engines)} engine(s) built in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = [r for r in ROWS if not (r.fast and args.no_fast)]
     if bench.cuda and kernels.ENABLED:  # the qk kernel variant parity mode runs here (see `complex_fma`)
         bench.info["complex_product_fma"] = complex_fma(torch.device("cuda", torch.cuda.current_device()))
         print(f"complex product rounding found on this GPU: fma={bench.info['complex_product_fma']}", flush=True)
     with torch.no_grad():
         for shape in shapes:
             t0 = time.perf_counter()
-            bench.run_shape(shape, model, engine)
+            bench.run_shape(shape, [r for r in rows if not r.graph or shape in graph_shapes], model, engines, "eager")
             gc.collect()
             if bench.cuda:
                 torch.cuda.empty_cache()
             print(f"  {shape}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if compile_shapes and bench.cuda:  # in place, so after every eager-phase row
+            model.compile_repeated_blocks(fullgraph=True)
+            for shape in compile_shapes:
+                t0 = time.perf_counter()
+                bench.run_shape(shape, [r for r in COMPILED_ROWS if not (r.fast and args.no_fast)], model, engines,
+                                "compiled")
+                print(f"  {shape} (compiled phase, warm-up includes compilation): {time.perf_counter() - t0:.0f} s",
+                      flush=True)
     return 0 if print_table(bench) else 1
 
 
