@@ -21,10 +21,18 @@ def broken_run(tmp_path, checkpoint, warning: str, **overrides) -> list[dict]:
     return read_metrics(tmp_path / "run" / "metrics.jsonl")
 
 
+MISMATCH = ("model_output_max_abs_diff", "model_output_mean_abs_diff", "log_prob_max_abs_diff", "ratio_mean",
+            "ratio_max_abs_dev_from_1")
+
+
 def test_two_optimizer_steps_per_rollout(tmp_path, tiny_checkpoint):
+    """The second step trains on moved weights: that is the policy's own change (policy_*), not a train/rollout
+    mismatch, which is only measured where the weights are the rolled-out ones."""
     first, second = broken_run(tmp_path, tiny_checkpoint, "condition 1", num_steps_per_rollout=2)
     assert first["model_output_max_abs_diff"] == 0.0 and first["ratio_max_abs_dev_from_1"] == 0.0
-    assert second["model_output_max_abs_diff"] > 0 and second["ratio_max_abs_dev_from_1"] > 0
+    assert first["policy_ratio_mean"] == 1.0 and first["policy_log_prob_max_abs_diff"] == 0.0
+    assert all(second[k] is None for k in MISMATCH) and second["parity_measured"] is False
+    assert second["policy_log_prob_max_abs_diff"] > 0 and second["policy_ratio_max_abs_dev_from_1"] > 0
 
 
 def test_a_micro_batch_of_mixed_prompt_lengths(tmp_path, tiny_checkpoint):

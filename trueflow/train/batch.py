@@ -16,6 +16,7 @@ class TrainBatch:
     rows: list[Row]
     latents: torch.Tensor  # x_t [R, S, C]
     next_latents: torch.Tensor  # x_{t+1} as stored
+    final_latents: torch.Tensor  # the trajectory's clean end x_T (σ = 0) [R, S, C]
     timestep: torch.Tensor  # [R] the transformer's input, as the pipeline computes it
     sigma: torch.Tensor  # [R] fp32
     sigma_next: torch.Tensor  # [R] fp32
@@ -75,6 +76,7 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
         rows=rows,
         latents=stack(lambda mg, i, t: mg.latents[t, i]),
         next_latents=stack(lambda mg, i, t: mg.latents[t + 1, i]),
+        final_latents=stack(lambda mg, i, t: mg.latents[-1, i]),
         timestep=model_timestep(stack(lambda mg, i, t: mg.timesteps[t]), dtype),
         sigma=stack(lambda mg, i, t: mg.sigmas[t]),
         sigma_next=stack(lambda mg, i, t: mg.sigmas[t + 1]),

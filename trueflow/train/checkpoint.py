@@ -3,8 +3,10 @@
 Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
   pytorch_lora_weights.safetensors  the LoRA masters in fp32, PEFT names with diffusers' `transformer.` prefix —
                                     `QwenImagePipeline.load_lora_weights(dir)` loads it (cast to the pipeline's dtype)
+  pytorch_lora_weights_ema.safetensors  with --ema-decay: the EMA of the LoRA, same format
+                                    (`load_lora_weights(dir, weight_name="pytorch_lora_weights_ema.safetensors")`)
   adapter_config.json               rank, alpha, target modules (PEFT's LoraConfig)
-  optimizer.pt                      the optimizer's full (unsharded) state dict
+  optimizer.pt                      the optimizer's full (unsharded) state dict, the lr scheduler's, the RNG states
   trainer_state.json                step, rollout, metrics lines written, RNG states, settings
   COMPLETE                          written last; a folder without it is ignored on resume
 A checkpoint is built in `.tmp-step-N` and renamed into place (os.replace is atomic on one file system), then
@@ -28,6 +30,7 @@ from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 DIFFUSERS_PREFIX = "transformer."
 
 
@@ -65,8 +68,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], adapter_config: dict,
-                    optimizer_state: dict, trainer_state: dict) -> Path:
-    """Rank 0 only. Returns the checkpoint folder."""
+                    optimizer_state: dict, trainer_state: dict, scheduler: dict | None = None,
+                    ema: dict[str, torch.Tensor] | None = None) -> Path:
+    """Rank 0 only. `scheduler`: the lr scheduler's state dict; `ema`: the EMA of the LoRA (fp32). Returns the
+    checkpoint folder."""
     ckpts = root / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
     final = ckpts / f"step-{step:06d}"
@@ -76,10 +81,16 @@ def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], a
     # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors metadata,
     # which `load_lora_weights` reads for alpha and targets.
     config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
-    QwenImagePipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu() for k, v in lora_fp32.items()},
-                                        weight_name=LORA_FILE, transformer_lora_adapter_metadata=config)
+    for name, weights in ((LORA_FILE, lora_fp32), (EMA_FILE, ema)):
+        if weights is not None:
+            QwenImagePipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu()
+                                                                              for k, v in weights.items()},
+                                                weight_name=name, transformer_lora_adapter_metadata=config)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    torch.save({"optimizer": optimizer_state, "rng": rng_state()}, tmp / "optimizer.pt")
+    extra = {"optimizer": optimizer_state, "rng": rng_state()}
+    if scheduler is not None:
+        extra["scheduler"] = scheduler
+    torch.save(extra, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
     (tmp / "COMPLETE").write_text("ok\n")
     for f in tmp.iterdir():
@@ -110,8 +121,8 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(LoRA fp32 masters by PEFT name, optimizer+rng state, trainer state). A missing or damaged file raises
-    CheckpointError."""
+    """(LoRA fp32 masters by PEFT name, optimizer+rng(+scheduler) state with the EMA of the LoRA under "ema" when
+    saved, trainer state). A missing or damaged file raises CheckpointError."""
     missing = [f for f in (LORA_FILE, "optimizer.pt", "trainer_state.json", "COMPLETE") if not (path / f).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)})")
@@ -119,6 +130,8 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
         state = json.loads((path / "trainer_state.json").read_text())
         lora = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path / LORA_FILE)).items()}
         extra = torch.load(path / "optimizer.pt", weights_only=True)
+        if (path / EMA_FILE).is_file():
+            extra["ema"] = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path / EMA_FILE)).items()}
     except Exception as e:  # noqa: BLE001 - whatever the damage, the folder cannot be resumed from
         reason = " ".join(str(e).split())[:200]
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})") from None

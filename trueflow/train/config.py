@@ -95,9 +95,28 @@ class TrainConfig(BaseModel):
     global_std: bool = _f(False, "normalise advantages by the std of all rewards instead of each group's",
                           "algorithm")
     kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base", "algorithm", ge=0)
+    algorithm: Literal["grpo", "nft"] = _f("grpo", "grpo (PPO-clip on the sampler's log-probs) or nft "
+                                                   "(DiffusionNFT: KL- and CFG-free, needs --cfg-scale 1)", "algorithm",
+                                           "name")
+    ratio_norm: Literal["none", "grpo_guard"] = _f("none", "grpo_guard: GRPO-Guard's RatioNorm and 1/dt step "
+                                                           "reweighting (sde sampler only)", "algorithm")
+    nft_beta: float = _f(1.0, "DiffusionNFT's beta: how far the implicit policies lie from the old one",
+                         "algorithm", gt=0)
+    nft_adaptive_weight: bool = _f(True, "DiffusionNFT's self-normalised x0 loss weight (else plain velocity MSE)",
+                                   "algorithm")
+    parity_on_every_step: bool = _f(False, "measure the train/rollout mismatch on a rollout's later optimizer "
+                                           "steps too, against a kept copy of the rolled-out LoRA (an extra "
+                                           "forward per micro-batch); else those steps report it as null",
+                                    "algorithm")
     # optim
     lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", "optim", ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule over the run's "
+                                                                          "optimizer steps, after the warmup",
+                                                              "optim")
+    lr_warmup_steps: int = _f(0, "optimizer steps of linear warmup from 0", "optim", ge=0)
+    ema_decay: float = _f(0.0, "EMA of the LoRA (0: off); checkpoints keep it and sample grids show it too",
+                          "optim", ge=0, lt=1)
     max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0)
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
@@ -121,6 +140,8 @@ class TrainConfig(BaseModel):
     reward_placement: Literal["trainer", "engine"] = _f(
         "trainer", "where the reward runs: the trainer's rank 0, or the engine process (with engine_process)",
         "reward", "placement")
+    reward_url: str | None = _f(None, "URL given to the reward terms that take one (vlm_judge's chat server)",
+                                "reward", "url", min_length=1)
     reward_on_error: Literal["raise", "skip"] = _f("raise", "a failing reward: stop cleanly, or skip that "
                                                             "prompt's group", "reward", "on_error")
 
@@ -176,6 +197,21 @@ class TrainConfig(BaseModel):
             errors.append(f"--resolution {self.resolution} must be a multiple of 16")
         if self.disable_patch and self.rollout_patch_group == "none":
             errors.append("--disable-patch needs a patch group; --patch-group none applies no patches")
+        if self.ratio_norm == "grpo_guard" and self.sampler == "cps":
+            errors.append("--ratio-norm grpo_guard needs --sampler sde: CPS's log-prob drops the 1/(2s^2) term "
+                          "RatioNorm cancels")
+        if self.algorithm == "nft":
+            if self.cfg_scale != 1:
+                errors.append(f"--algorithm nft is CFG-free: set --cfg-scale 1 (got {self.cfg_scale}); the old "
+                              "policy's velocity is the engine's recorded output, which must be the model's own")
+            if self.kl_beta:
+                errors.append("--algorithm nft is KL-free: set --kl-beta 0")
+            if self.ratio_norm != "none":
+                errors.append("--ratio-norm applies to --algorithm grpo (nft has no likelihood ratio)")
+        total = self.num_rollouts * self.num_steps_per_rollout
+        if self.lr_warmup_steps and self.lr_warmup_steps >= total:
+            errors.append(f"--lr-warmup-steps {self.lr_warmup_steps} must be less than the run's optimizer steps "
+                          f"({total} = --num-rollouts x --num-steps-per-rollout)")
         return errors
 
     def validate(self) -> None:
@@ -199,6 +235,9 @@ class TrainConfig(BaseModel):
         if self.fsdp_attention_backend not in backends:
             raise ValueError(f"--fsdp-attention-backend {self.fsdp_attention_backend}: not a diffusers attention "
                              f"backend; use {PARITY_BACKEND} (or one of {', '.join(sorted(backends))})")
+        if self.fsdp_attention_backend == "_native_cudnn" and device.type != "cuda":
+            raise ValueError(f"--fsdp-attention-backend _native_cudnn needs a CUDA device (cuDNN attention does not "
+                             f"exist on {device.type}); use --device cuda, or {PARITY_BACKEND}")
 
         group = get_group(self.rollout_patch_group)  # raises with the known names
         unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
@@ -207,6 +246,20 @@ class TrainConfig(BaseModel):
                              f"(its patches: {', '.join(group.patch_names)})")
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
+
+    def engine_patch_group(self) -> str:
+        """The engine's patch group: plain `qwen_image` under another train attention backend becomes
+        `qwen_image:BACKEND` where the family has an engine kernel for that backend (the bitwise pair)."""
+        if self.rollout_patch_group == "qwen_image" and self.fsdp_attention_backend != PARITY_BACKEND:
+            from ..patches import get_group
+
+            paired = f"qwen_image:{self.fsdp_attention_backend}"
+            try:
+                get_group(paired)
+                return paired
+            except ValueError:  # no engine kernel reproduces that backend: condition 5 warns
+                pass
+        return self.rollout_patch_group
 
     def parity_warnings(self) -> list[str]:
         """One message per broken condition of bitwise parity (docs/patch-group.md; recipes/bitwise-aligned.yaml
@@ -230,9 +283,11 @@ class TrainConfig(BaseModel):
         if self.train_dp_split_mode != "contiguous":
             out.append("condition 4: --train-dp-split-mode stride mixes prompts (and text lengths) in one "
                        "micro-batch; use contiguous")
-        if self.fsdp_attention_backend != PARITY_BACKEND:
+        group = self.engine_patch_group()
+        if self.fsdp_attention_backend != (group.partition(":")[2] or PARITY_BACKEND):
             out.append(f"condition 5: --fsdp-attention-backend {self.fsdp_attention_backend}: the train side "
-                       f"runs another attention kernel than the engine's flash kernel (use {PARITY_BACKEND})")
+                       f"runs another attention kernel than the engine under patch group {group} (use "
+                       f"{PARITY_BACKEND} or _native_cudnn, which plain qwen_image pairs with the engine's kernel)")
         if self.lora_merge_mode == "merged":
             out.append("--lora-merge-mode merged: W + scale·B·A in bf16 rounds differently from PEFT's "
                        "unmerged forward")
@@ -273,7 +328,9 @@ def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]
     before = {**TrainConfig().to_dict(), **saved}
     refused, warned = [], []
     for name, value in cfg.to_dict().items():
-        if name not in RESUME_MAY_CHANGE and before[name] != value:
+        # A decaying lr schedule spans the run's optimizer steps: a longer run would change every lr from here on.
+        fixed = name == "num_rollouts" and cfg.lr_schedule != "constant"
+        if (name not in RESUME_MAY_CHANGE or fixed) and before[name] != value:
             line = f"{_flag(*LOCATIONS[name])} {_show(value)} (the run has {_show(before[name])})"
             (warned if name in RESUME_WARNS else refused).append(line)
     return refused, warned

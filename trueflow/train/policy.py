@@ -59,3 +59,15 @@ def lora_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         out[name] = full.to(dtype) if dtype is not None else full.clone()
     return out
+
+
+@torch.no_grad()
+def set_lora_state(params: dict[str, nn.Parameter], full: dict[str, torch.Tensor]) -> None:
+    """Copy unsharded tensors (a checkpoint's) into `params` (masters or EMA copies), sharded as each one is."""
+    for name, p in params.items():
+        value = full[name].to(p.device)
+        if hasattr(p, "full_tensor"):
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value, p.device_mesh, p.placements)
+        p.copy_(value)

@@ -87,7 +87,7 @@ def run_training(cfg: TrainConfig) -> Path | None:
             if not (cfg.engine_process and cfg.reward_placement == "engine"):  # before the engine: a bad spec fails fast
                 from ..rewards.base import build_reward
 
-                reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device))
+                reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device), url=cfg.reward_url)
             engine = _start_engine(cfg, dtype, ctx.device)
         from .trainer import Trainer
 
@@ -103,11 +103,11 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device):
     if cfg.engine_process:
         from ..sync.engine_process import EngineClient
 
-        reward = (cfg.reward, cfg.reward_model, str(device)) if cfg.reward_placement == "engine" else None
-        return EngineClient(cfg.checkpoint, cfg.rollout_patch_group, tuple(cfg.disable_patch), str(device), dtype,
+        reward = (cfg.reward, cfg.reward_model, str(device), cfg.reward_url) if cfg.reward_placement == "engine" else None
+        return EngineClient(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), str(device), dtype,
                             threads=torch.get_num_threads(), reward=reward)
     from ..engine.engine import Engine
 
     with warnings.catch_warnings():
         warnings.simplefilter("default")
-        return Engine(cfg.checkpoint, cfg.rollout_patch_group, tuple(cfg.disable_patch), device, dtype)
+        return Engine(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), device, dtype)

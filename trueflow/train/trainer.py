@@ -1,5 +1,12 @@
-"""The GRPO loop: rollout -> rewards -> advantages -> train pairs -> micro-batches -> PPO-clip -> optimizer step ->
-LoRA sync -> next rollout, with the parity metrics measured at every optimizer step."""
+"""The GRPO loop: rollout -> rewards -> advantages -> train pairs -> micro-batches -> PPO-clip (or DiffusionNFT's
+loss) -> optimizer step -> LoRA sync -> next rollout.
+
+Two kinds of metrics per optimizer step. The train/rollout mismatch (`model_output_*`, `log_prob_max_abs_diff`,
+`ratio_mean`, `ratio_max_abs_dev_from_1`) compares the train forward at the weights the engine rolled out with to
+the engine's records: on a rollout's first step those are the current weights; on its later steps the policy has
+moved, so the mismatch is null there unless `parity_on_every_step` measures it against a kept copy of the
+rolled-out LoRA. The policy's own change since the rollout (`policy_*`) is the current policy against the engine's
+log-probs, at every step."""
 
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ from ..engine.guidance import true_cfg
 from ..engine.samplers import cps_log_prob, sde_log_prob
 from ..rewards.base import RewardError, score
 from ..rl.advantages import group_advantages
-from ..rl.loss import kl_penalty, ppo_clip_loss
+from ..rl.grpo_guard import normalized_ratio, step_weight
+from ..rl.loss import clipped_surrogate, kl_penalty
+from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from ..sync.engine_process import to_cpu
 from . import checkpoint as ckpt
@@ -27,9 +36,13 @@ from .dist import DistContext, all_reduce, broadcast_object
 from .metrics import MetricsWriter, WandbSettings
 from .model import LoraSpec, train_forward
 from .pairs import micro_batches, rank_samples
-from .policy import build_policy, lora_full_state, lora_parameters
+from .policy import build_policy, lora_full_state, lora_parameters, set_lora_state
 from .prompts import load_prompts
 from .report import write_sample_grid, write_summary
+from .schedule import LoraEMA, lr_scheduler
+
+MISMATCH_KEYS = ("model_output_max_abs_diff", "model_output_mean_abs_diff", "log_prob_max_abs_diff", "ratio_mean",
+                 "ratio_max_abs_dev_from_1")
 
 
 @dataclass
@@ -50,8 +63,12 @@ class Trainer:
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
         self.model = build_policy(cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed,
                                   cfg.gradient_checkpointing)
-        self.params = list(lora_parameters(self.model).values())
+        self.named_params = lora_parameters(self.model)
+        self.params = list(self.named_params.values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = lr_scheduler(self.optimizer, cfg.num_rollouts * cfg.num_steps_per_rollout,
+                                      cfg.lr_warmup_steps, cfg.lr_schedule)
+        self.ema = LoraEMA(self.named_params, cfg.ema_decay) if cfg.ema_decay else None
         self.state = StepState()
         self.saved_step: int | None = None
         keep = None
@@ -138,19 +155,54 @@ class Trainer:
             return pos
         return true_cfg(pos, branch(b.negative_prompt_embeds, b.negative_prompt_mask), self.cfg.cfg_scale)
 
-    def _train_step(self, rollout, advantages: torch.Tensor) -> dict:
+    def _policy_loss(self, b: TrainBatch, guided: torch.Tensor, log_prob: torch.Tensor, mean: torch.Tensor,
+                     std: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        """(loss of the micro-batch, its PPO clip fraction; None for nft, which clips nothing)."""
+        cfg = self.cfg
+        if cfg.algorithm == "nft":
+            # The noise that puts the forward process x_t = (1 − σ)·x0 + σ·ε at the recorded latent: the model
+            # input is the engine's, so the old policy's velocity is the engine's recorded output (CFG off).
+            sigma = b.sigma.float().reshape(-1, *([1] * (b.latents.ndim - 1)))
+            x0 = b.final_latents.float()
+            noise = (b.latents.float() - (1 - sigma) * x0) / sigma
+            r = optimality(b.advantages, cfg.adv_clip_max)
+            return nft_loss(guided, b.engine_guided, x0, noise, b.sigma, r, cfg.nft_beta,
+                            cfg.nft_adaptive_weight).mean(), None
+        if cfg.ratio_norm == "grpo_guard":  # the rollout policy's mean, from its recorded guided output
+            with torch.no_grad():
+                _, old_mean, _ = self._log_prob(b, b.engine_guided)
+            ratio = normalized_ratio(log_prob, b.old_log_prob, mean, old_mean, std)
+            loss, stats = clipped_surrogate(ratio, b.advantages, cfg.clip_range, step_weight(b.sigma_next - b.sigma))
+        else:
+            loss, stats = clipped_surrogate(torch.exp(log_prob - b.old_log_prob), b.advantages, cfg.clip_range)
+        return loss, stats.clip_frac
+
+    def _train_step(self, rollout, advantages: torch.Tensor, step_in_rollout: int,
+                    kept: dict[str, torch.Tensor] | None) -> dict:
+        """One optimizer step on the rollout. `kept`: the LoRA masters the engine rolled out with, to measure the
+        mismatch on a later step (`parity_on_every_step`)."""
         cfg, ctx = self.cfg, self.ctx
         sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
         samples = rank_samples(sizes, ctx.world, ctx.rank, cfg.train_dp_split_mode)
         batches = micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample, cfg.micro_batch_size_tstep)
-        maxes = {"model_output_max_abs_diff": 0.0, "log_prob_max_abs_diff": 0.0, "ratio_max_abs_dev_from_1": 0.0}
-        sums = {"model_output_abs_diff_sum": 0.0, "numel": 0.0, "ratio_sum": 0.0, "clipped": 0.0, "rows": 0.0,
-                "loss_sum": 0.0, "kl_sum": 0.0}
+
+        def batch(rows) -> TrainBatch:
+            return assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none")
+
+        mismatch = _Mismatch() if step_in_rollout == 0 or kept is not None else None
+        if step_in_rollout and kept is not None:  # the rolled-out weights swapped in, the guided forward, back
+            with torch.no_grad(), _swapped(self.named_params, kept):
+                for rows in batches:
+                    b = batch(rows)
+                    guided = self._guided(b)
+                    mismatch.add(b, guided, self._log_prob(b, guided)[0])
+        policy = _Mismatch()
+        sums = {"clipped": 0.0, "loss_sum": 0.0, "kl_sum": 0.0}
         for rows in batches:
-            b = assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none")
+            b = batch(rows)
             guided = self._guided(b)
             log_prob, mean, std = self._log_prob(b, guided)
-            loss, stats = ppo_clip_loss(log_prob, b.old_log_prob, b.advantages, cfg.clip_range)
+            loss, clip_frac = self._policy_loss(b, guided, log_prob, mean, std)
             kl = torch.zeros(())
             if cfg.kl_beta:
                 with torch.no_grad(), _adapters_disabled(self.model):
@@ -159,37 +211,37 @@ class Trainer:
                 loss = loss + cfg.kl_beta * kl
             (loss / len(batches)).backward()
             with torch.no_grad():
-                d = (guided.detach().float() - b.engine_guided.float()).abs()
-                ratio = torch.exp(log_prob.detach() - b.old_log_prob)
-                maxes["model_output_max_abs_diff"] = max(maxes["model_output_max_abs_diff"], d.max().item())
-                maxes["log_prob_max_abs_diff"] = max(maxes["log_prob_max_abs_diff"],
-                                                     (log_prob.detach() - b.old_log_prob).abs().max().item())
-                maxes["ratio_max_abs_dev_from_1"] = max(maxes["ratio_max_abs_dev_from_1"],
-                                                        stats.ratio_max_abs_dev_from_1)
-                sums["model_output_abs_diff_sum"] += d.sum().item()
-                sums["numel"] += d.numel()
-                sums["ratio_sum"] += ratio.sum().item()
-                sums["clipped"] += ((ratio - 1).abs() > cfg.clip_range).float().sum().item()
-                sums["rows"] += len(rows)
+                policy.add(b, guided, log_prob)
+                if step_in_rollout == 0:  # the current weights are the rolled-out ones
+                    mismatch.add(b, guided, log_prob)
+                sums["clipped"] += (clip_frac or 0.0) * len(rows)
                 sums["loss_sum"] += loss.item()
                 sums["kl_sum"] += kl.item()
-        maxes = all_reduce(maxes, dist.ReduceOp.MAX)
+        policy_stats = policy.reduce()
+        measured = mismatch.reduce() if mismatch is not None else dict.fromkeys(MISMATCH_KEYS)
         sums = all_reduce(sums, dist.ReduceOp.SUM)
+        lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         before = lora_full_state(self.model)
         if not cfg.debug_skip_optimizer_step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.named_params)
         after = lora_full_state(self.model)
         update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
         n_batches = len(batches) * ctx.world
         return {
-            **maxes,
-            "model_output_mean_abs_diff": sums["model_output_abs_diff_sum"] / max(sums["numel"], 1),
-            "ratio_mean": sums["ratio_sum"] / max(sums["rows"], 1),
-            "clip_frac": sums["clipped"] / max(sums["rows"], 1),
+            **{k: measured[k] for k in MISMATCH_KEYS},
+            "parity_measured": mismatch is not None,
+            "policy_ratio_mean": policy_stats["ratio_mean"],
+            "policy_ratio_max_abs_dev_from_1": policy_stats["ratio_max_abs_dev_from_1"],
+            "policy_log_prob_max_abs_diff": policy_stats["log_prob_max_abs_diff"],
+            "clip_frac": None if cfg.algorithm == "nft" else sums["clipped"] / max(policy_stats["rows"], 1),
             "loss": sums["loss_sum"] / n_batches,
             "kl": sums["kl_sum"] / n_batches,
+            "lr": lr,
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
             "lora_update_norm": update,
         }
@@ -203,27 +255,31 @@ class Trainer:
             index = self.state.rollout
             rollout, rewards, dropped, times = self._rollout(index)
             # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
-            kept = rewards[~torch.isnan(rewards)]
+            scored = rewards[~torch.isnan(rewards)]
             advantages = group_advantages(rewards, cfg.n_samples_per_prompt, cfg.adv_clip_max, cfg.global_std)
+            # The masters the engine rolled out with (it holds their compute copies), for later steps' mismatch.
+            kept = ({n: p.detach().clone() for n, p in self.named_params.items()}
+                    if cfg.parity_on_every_step and cfg.num_steps_per_rollout > 1 else None)
             for k in range(cfg.num_steps_per_rollout):
                 t0 = time.perf_counter()
-                m = self._train_step(rollout, advantages)
+                m = self._train_step(rollout, advantages, k, kept)
                 t1 = time.perf_counter()
                 sync = self._sync()
                 self.state.step += 1
                 if self.ctx.is_main:
                     record = {"step": self.state.step, "rollout": index, "step_in_rollout": k,
-                              "reward_mean": kept.mean().item(), "reward_std": kept.std(unbiased=False).item(),
+                              "reward_mean": _mean(scored), "reward_std": _std(scored),
                               "dropped_samples": len(dropped), **m,
                               "checksums_equal": sync["trainer_checksum"] == sync["engine_checksum"],
                               "trainer_checksum": sync["trainer_checksum"], "engine_checksum": sync["engine_checksum"],
                               **times, "time_train": t1 - t0, "time_sync": sync["time_sync"]}
                     self.metrics.write(record)
-                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
-                                    diff=f"{record['model_output_max_abs_diff']:.1e}", ratio=f"{record['ratio_mean']:.6f}")
+                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"),
+                                    diff=_show(record["model_output_max_abs_diff"], ".1e"),
+                                    ratio=_show(record["policy_ratio_mean"], ".6f"))
             self.state.rollout += 1
-            if self.ctx.is_main and cfg.sample_every and index % cfg.sample_every == 0:
-                write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+            if cfg.sample_every and index % cfg.sample_every == 0:
+                self._write_samples(rollout, index)
             # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
             # first boundary at or after every `save_every` optimizer steps.
             steps_before = self.state.step - cfg.num_steps_per_rollout
@@ -236,18 +292,34 @@ class Trainer:
         if self.ctx.is_main:
             write_summary(self.out, cfg)
 
+    def _write_samples(self, rollout, index: int) -> None:
+        """The rollout's grid; with an EMA also the EMA weights' grid (same prompts, seed and sampling), which the
+        engine draws with the EMA swapped in, then the live weights back (the next rollout and parity need them)."""
+        if self.ctx.is_main:
+            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+        if self.ema is None:
+            return
+        state = self.ema.full_state(self.dtype)  # a collective: every rank takes part
+        if self.ctx.is_main:
+            self.engine.update_lora(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
+            ema_rollout = self.engine.rollout(rollout.prompts, rollout.n_per_prompt, rollout.params, rollout.seed)
+            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png")
+        self._sync()
+
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         lora = lora_full_state(self.model)
+        ema = self.ema.full_state() if self.ema is not None else None
         optim = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         self.saved_step = self.state.step
         if self.ctx.is_main:
             ckpt.save_checkpoint(self.out, self.state.step, lora, self.lora_spec.peft_config().to_dict(), optim,
                                  {"step": self.state.step, "rollout": self.state.rollout,
-                                  "metrics_lines": self.metrics.lines, "config": self.cfg.to_dict()})
+                                  "metrics_lines": self.metrics.lines, "config": self.cfg.to_dict()},
+                                 scheduler=self.scheduler.state_dict(), ema=ema)
         if self.ctx.world > 1:
             dist.barrier()
 
@@ -256,19 +328,19 @@ class Trainer:
 
         if resumed is None:
             return 0  # nothing saved yet: start over, dropping any metrics of the killed run
-        _, lora, extra, state = resumed
-        with torch.no_grad():
-            for name, p in lora_parameters(self.model).items():
-                full = lora[name].to(p.device)
-                if hasattr(p, "full_tensor"):
-                    from torch.distributed.tensor import distribute_tensor
-
-                    full = distribute_tensor(full, p.device_mesh, p.placements)
-                p.copy_(full)
+        path, lora, extra, state = resumed
+        set_lora_state(self.named_params, lora)
         # strict=False: a LoRA parameter that never got a gradient (the last block's text-stream outputs feed
         # nothing) has no AdamW state to save, exactly as in the run that saved it.
         set_optimizer_state_dict(self.model, self.optimizer, extra["optimizer"],
                                  options=StateDictOptions(full_state_dict=True, strict=False))
+        if "scheduler" in extra:  # a checkpoint from before schedules ran the constant lr
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if self.ema is not None:
+            if "ema" not in extra:
+                raise ValueError(f"--resume: {path} holds no EMA of the LoRA; resume with the run's --ema-decay "
+                                 "(0), or start a new --output-dir")
+            set_lora_state(self.ema.shadow, extra["ema"])
         ckpt.set_rng_state(extra["rng"])
         self.state = StepState(step=state["step"], rollout=state["rollout"])
         self.saved_step = state["step"]
@@ -283,3 +355,57 @@ def _adapters_disabled(model):
         yield
     finally:
         model.enable_adapters()
+
+
+@contextmanager
+def _swapped(params: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor]):
+    """`values` in place of the parameters' (same sharding), the current ones put back after; under no_grad."""
+    current = {name: p.detach().clone() for name, p in params.items()}
+    for name, p in params.items():
+        p.detach().copy_(values[name])
+    try:
+        yield
+    finally:
+        for name, p in params.items():
+            p.detach().copy_(current[name])
+
+
+class _Mismatch:
+    """A train forward against the engine's records, over a step's micro-batches (and ranks): model output and
+    log-prob differences, the likelihood ratio."""
+
+    def __init__(self):
+        self.maxes = {"model_output_max_abs_diff": 0.0, "log_prob_max_abs_diff": 0.0, "ratio_max_abs_dev_from_1": 0.0}
+        self.sums = {"abs_diff_sum": 0.0, "numel": 0.0, "ratio_sum": 0.0, "rows": 0.0}
+
+    def add(self, b: TrainBatch, guided: torch.Tensor, log_prob: torch.Tensor) -> None:
+        d = (guided.detach().float() - b.engine_guided.float()).abs()
+        lp = (log_prob.detach() - b.old_log_prob).abs()
+        ratio = torch.exp(log_prob.detach() - b.old_log_prob)
+        for key, value in (("model_output_max_abs_diff", d.max()), ("log_prob_max_abs_diff", lp.max()),
+                           ("ratio_max_abs_dev_from_1", (ratio - 1).abs().max())):
+            self.maxes[key] = max(self.maxes[key], value.item())
+        self.sums["abs_diff_sum"] += d.sum().item()
+        self.sums["numel"] += d.numel()
+        self.sums["ratio_sum"] += ratio.sum().item()
+        self.sums["rows"] += ratio.numel()
+
+    def reduce(self) -> dict:
+        """Over every rank (a collective)."""
+        maxes = all_reduce(self.maxes, dist.ReduceOp.MAX)
+        sums = all_reduce(self.sums, dist.ReduceOp.SUM)
+        return {**maxes, "model_output_mean_abs_diff": sums["abs_diff_sum"] / max(sums["numel"], 1),
+                "ratio_mean": sums["ratio_sum"] / max(sums["rows"], 1), "rows": sums["rows"]}
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    return x.mean().item() if x.numel() else None
+
+
+def _std(x: torch.Tensor) -> float | None:
+    """The population std of the scored rewards; None when the reward skipped every sample (no warning)."""
+    return x.std(unbiased=False).item() if x.numel() else None
+
+
+def _show(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
