@@ -12,7 +12,8 @@ from .options import DTYPES, add_engine_options, add_sampling_options, torch_dty
 
 # -- init-checkpoint -----------------------------------------------------------------------------------------
 def _add_init_checkpoint(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", default="qwen_image", help="model family (default: qwen_image)")
+    p.add_argument("--family", default=None,
+                   help="model family, a folder of trueflow/models (default: the default family)")
     p.add_argument("--size", default="tiny", help="architecture size written to disk (default: tiny)")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
@@ -22,11 +23,12 @@ def _add_init_checkpoint(p: argparse.ArgumentParser) -> None:
 
 
 def _run_init_checkpoint(a: argparse.Namespace) -> int:
-    from .checkpoints.qwen_image import init_checkpoint
+    from .checkpoints import init_checkpoint
+    from .models import family_for_checkpoint
 
     path = init_checkpoint(a.out, family=a.family, size=a.size, seed=a.seed, overwrite=a.overwrite,
                            dtype=torch_dtype(a.dtype), device=a.device)
-    print(f"wrote a {a.size} {a.family} checkpoint to {path}")
+    print(f"wrote a {a.size} {family_for_checkpoint(path).name} checkpoint to {path}")
     return 0
 
 
@@ -162,13 +164,14 @@ def _run_train(a: argparse.Namespace) -> int:
 
 # -- patches -------------------------------------------------------------------------------------------------
 def _add_patches(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--patch-group", default="qwen_image", help="group to list (default: qwen_image)")
+    p.add_argument("--patch-group", default=None, help="group to list (default: the default family's first group)")
 
 
 def _run_patches(a: argparse.Namespace) -> int:
+    from .models import default_family
     from .patches import get_group
 
-    group = get_group(a.patch_group)
+    group = get_group(a.patch_group or next(iter(default_family().patch_groups)))
     for patch in group.patches if group else ():
         print(f"{patch.name:40s} {patch.summary}")
     return 0
@@ -183,6 +186,8 @@ def _add_reward_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="model folder of the rewards that take one (pickscore: "
                    "MODEL_DIR or MODEL_DIR:PROCESSOR_DIR)")
     p.add_argument("--device", default="cpu", help="torch device of model rewards, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--url", metavar="URL", help="URL of the rewards that take one (vlm_judge: an OpenAI-compatible "
+                   "chat server, e.g. http://127.0.0.1:8080/v1)")
 
 
 def _add_reward(p: argparse.ArgumentParser) -> None:
@@ -204,7 +209,7 @@ def _run_reward(a: argparse.Namespace) -> int:
     with Image.open(a.image) as image:
         pixels = torch.from_numpy(np.array(image.convert("RGB")))[None]
     try:
-        scores, _ = score(build_reward(a.name, a.model, a.device), pixels, [a.prompt])
+        scores, _ = score(build_reward(a.name, a.model, a.device, url=a.url), pixels, [a.prompt])
     except RewardError as e:
         print(f"trueflow reward: error: {e}", file=sys.stderr)
         return 1
@@ -229,7 +234,7 @@ def _run_reward_serve(a: argparse.Namespace) -> int:
     from .rewards.server import serve
 
     serve(a.reward, host=a.host, port=a.port, model_path=a.model, device=a.device, max_batch=a.max_batch,
-          max_wait_ms=a.max_wait_ms)
+          max_wait_ms=a.max_wait_ms, url=a.url)
     return 0
 
 

@@ -170,9 +170,9 @@ def create_app(reward: Reward, max_batch: int = 64, max_wait_ms: float = 5.0) ->
 
 
 def serve(spec: str, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
-          device: str = "cpu", max_batch: int = 64, max_wait_ms: float = 5.0) -> None:
-    """Builds the reward once, then serves it until interrupted."""
+          device: str = "cpu", max_batch: int = 64, max_wait_ms: float = 5.0, url: str | None = None) -> None:
+    """Builds the reward once (`url`: for the terms that take one), then serves it until interrupted."""
     import uvicorn
 
-    app = create_app(build_reward(spec, model_path, device), max_batch, max_wait_ms)
+    app = create_app(build_reward(spec, model_path, device, url=url), max_batch, max_wait_ms)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from ..rewards.base import RewardError
 from .buckets import DEFAULT_BUCKET_BYTES, pack, unpack
 
 
@@ -50,6 +51,9 @@ def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, repli
         engine = Engine(*args)
         reward = build_reward(*reward_args) if reward_args is not None else None
         replies.put(("ok", "ready"))
+    except ValueError as e:  # a bad setting (a reward spec, a patch name): the user's to fix, one line
+        replies.put(("refused", str(e)))
+        return
     except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
         replies.put(("failed", traceback.format_exc()))
         return
@@ -76,6 +80,8 @@ def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, repli
             else:
                 raise ValueError(f"unknown engine request {op!r}")
             replies.put(("ok", value))
+        except RewardError as e:  # the user's reward failed: the trainer raises it as the same RewardError
+            replies.put(("reward_failed", (e.reward, e.prompts, e.reason)))
         except ValueError as e:  # the request's fault: its reason is the message
             replies.put(("refused", str(e)))
         except Exception:  # noqa: BLE001 - the engine keeps serving; the trainer raises
@@ -87,8 +93,9 @@ class EngineClient:
 
     def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reward: tuple[str, str | None, str] | None = None):
-        """`reward`: (spec, model path, device) of a reward to build in the engine process, for
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 reward: tuple[str, str | None, str, str | None] | None = None):
+        """`reward`: (spec, model path, device, url) of a reward to build in the engine process, for
         `rollout_scored`; None keeps rewards out of it."""
         ctx = mp.get_context("spawn")
         self.requests, self.replies = ctx.Queue(), ctx.Queue()
@@ -109,6 +116,8 @@ class EngineClient:
                     raise EngineProcessError(f"the engine process died (exit code {self.process.exitcode})")
         if status == "refused":
             raise EngineRequestRefused(value)
+        if status == "reward_failed":
+            raise RewardError(*value)
         if status != "ok":
             raise EngineProcessError(f"the engine process failed:\n{value}")
         return value
