@@ -46,6 +46,12 @@ def _column(rows: list[dict], key: str) -> np.ndarray:
     return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
 
 
+def _measured(rows: list[dict]) -> np.ndarray:
+    """Which steps measured the train/rollout mismatch: a rollout's later steps do only with
+    `parity_on_every_step` (records from before the flag existed measured every step)."""
+    return np.array([r.get("parity_measured", True) for r in rows], dtype=bool)
+
+
 def _figure(title: str, ylabel: str) -> tuple[Figure, Axes]:
     # Figure + Agg canvas, not pyplot: no global figure state, no GUI backend, safe off the main thread.
     fig = Figure(figsize=(7.5, 4.6), dpi=110, layout="constrained")
@@ -84,17 +90,20 @@ def parity_figure(rows: list[dict]) -> Figure:
     """The train-vs-rollout differences per step on a symlog axis: exact 0.0 (the bitwise case, which a log axis
     cannot show) sits on the 0 line with its own hollow marker, positive values are logarithmic above it, and a
     step with a non-finite difference is marked at the top."""
-    steps = _column(rows, "step")
+    steps, measured = _column(rows, "step"), _measured(rows)
     series = [(_column(rows, key), label) for key, label in PARITY_SERIES]
     values = np.concatenate([v for v, _ in series])
     positive = values[np.isfinite(values) & (values > 0)]
     exact = int(np.sum(series[0][0] == 0))
+    n, which = int(measured.sum()), "steps" if measured.all() else "measured steps"
     if positive.size:
-        title = f"Train vs rollout: max |difference| per step ({exact} of {len(rows)} steps bitwise)"
+        title = f"Train vs rollout: max |difference| per step ({exact} of {n} {which} bitwise)"
         ylabel = "max |train - rollout| (symlog; 0 = bitwise)"
     else:
-        title = f"Train vs rollout: exactly 0.0 (bitwise) at all {len(rows)} steps"
+        title = f"Train vs rollout: exactly 0.0 (bitwise) at all {n} {which}"
         ylabel = "max |train - rollout|"
+    if not measured.all():
+        title += f"; {int((~measured).sum())} later steps of a rollout not measured"
     fig, ax = _figure(title, ylabel)
     if positive.size:
         # Linear only below the smallest difference seen, so every non-zero value is on the log part of the axis.
@@ -111,7 +120,7 @@ def parity_figure(rows: list[dict]) -> Figure:
         if zeros.any():  # concentric rings, so zeros of all three series stay visible
             ax.plot(steps[zeros], v[zeros], "o", ms=11 - 3 * i, mfc="none", mew=1.5, color=color)
     ax.plot([], [], "o", ms=8, mfc="none", color="gray", label="ring: exactly 0.0 (bitwise)")
-    broken = ~np.all([np.isfinite(v) for v, _ in series], axis=0)
+    broken = measured & ~np.all([np.isfinite(v) for v, _ in series], axis=0)
     if broken.any():  # NaN/inf in the run (null in metrics.jsonl): the worst case, so shown, at the top
         ax.plot(steps[broken], np.ones(broken.sum()), "v", color="tab:red", ms=8,
                 transform=ax.get_xaxis_transform(), clip_on=False, label="not finite (NaN or inf)")
@@ -146,16 +155,26 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _parity_sentence(rows: list[dict]) -> str:
+    measured = [r for r, m in zip(rows, _measured(rows)) if m]
+    if not measured:
+        return "parity **not measured** (no step measured it)" if rows else "parity **not measured** (no steps)"
+    where = "every step" if len(measured) == len(rows) else (
+        f"every measured step ({len(measured)} of {len(rows)}: a rollout's later steps train on moved weights and "
+        "measure it only with --parity-on-every-step)")
+    if all(r["model_output_max_abs_diff"] == 0.0 for r in measured):
+        return f"parity **exactly 0.0 at {where}**"
+    return f"parity **not bitwise at {where}** (see the table)"
+
+
 def write_summary(out: Path, cfg, rows: list[dict] | None = None) -> Path:
     """summary.md for the run in `out`, its plots beside it as PNGs. `rows`: the metrics records (read from
     out/metrics.jsonl when None)."""
     rows = read_metrics(out / "metrics.jsonl") if rows is None else rows
-    bitwise = all(r["model_output_max_abs_diff"] == 0.0 for r in rows)
     lines = [
         f"# Training run `{out}`", "",
         f"- checkpoint: `{cfg.checkpoint}`; reward `{cfg.reward}`; patch group `{cfg.rollout_patch_group}`",
-        f"- {len(rows)} optimizer steps over {cfg.num_rollouts} rollouts; parity "
-        + ("**exactly 0.0 at every step**" if bitwise else "**not bitwise at every step** (see the table)"),
+        f"- {len(rows)} optimizer steps over {cfg.num_rollouts} rollouts; {_parity_sentence(rows)}",
     ]
     if rows:
         write_plots(rows, out, cfg.reward)
