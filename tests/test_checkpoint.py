@@ -12,8 +12,8 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
 
-from trueflow.checkpoints.qwen_image import init_checkpoint
-from trueflow.checkpoints.presets import TRANSFORMER_CONFIGS, build_transformer, transformer_config
+from trueflow.checkpoints import init_checkpoint
+from trueflow.models.qwen_image.presets import TRANSFORMER_CONFIGS, build_transformer, transformer_config
 
 TRANSFORMER_FILE = "transformer/diffusion_pytorch_model.safetensors"
 
@@ -160,7 +160,7 @@ def test_one_block_has_real_width() -> None:
 def test_a_full_width_text_encoder_pairs_with_the_full_transformer() -> None:
     """`--size full` writes a two-layer text encoder of the real width (3584, head_dim 128) so the pipeline's
     shapes line up; built and run here (the 20B transformer itself is drawn on a GPU)."""
-    from trueflow.checkpoints.qwen_image import _build_text_encoder, build_tokenizer
+    from trueflow.models.qwen_image.checkpoint import _build_text_encoder, build_tokenizer
 
     tokenizer = build_tokenizer()
     te = _build_text_encoder(tokenizer, 3584, seed=0)

@@ -11,7 +11,7 @@ import torch
 from conftest import LoraMasters, assert_bitwise, assert_differs, engine_forward, train_forward, \
     write_transformer_checkpoint
 from trueflow.engine.weights import build_engine_transformer, update_lora
-from trueflow.checkpoints.presets import transformer_config
+from trueflow.models.qwen_image.presets import transformer_config
 from trueflow.models.qwen_image.patches import GROUP
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.train.model import lora_state_dict

@@ -16,10 +16,10 @@ from conftest import BF16, assert_bitwise, assert_differs, pipeline_timestep, ra
 from trueflow.collate import collate_text, warn_if_masked
 from trueflow.engine.engine import Engine, SamplingParams
 from trueflow.engine.guidance import true_cfg
-from trueflow.engine.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX, encode_prompts
 from trueflow.engine.samplers import cps_log_prob, sde_log_prob
 from trueflow.engine.trajectory import model_timestep
 from trueflow.loading import read_transformer_state_dict
+from trueflow.models.qwen_image.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX, encode_prompts
 from trueflow.train.batch import assemble
 from trueflow.train.pairs import micro_batches, rank_samples
 

@@ -1,5 +1,6 @@
 """The engine stands alone: its code imports nothing from diffusers' models, and its model files do no file I/O
-(DESIGN 6: models stay free of I/O; `trueflow.loading` reads the files)."""
+(models stay free of I/O; `trueflow.loading` reads the files). Model families are values: no module outside a
+family's folder imports it (generic code takes a `ModelFamily` from the registry)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trueflow"
 ENGINE_DIRS = ("trueflow/models", "trueflow/layers", "trueflow/engine")
-# The one engine file allowed to import a diffusers model: the VAE, for decoding images after the trajectory is
-# recorded — off the parity-critical path (the transformer, samplers and CFG are the engine's own).
-DIFFUSERS_SIDE_FILES = {"trueflow/engine/vae.py"}
+FAMILIES = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/family.py"))
+# Engine files allowed to import diffusers: the VAE, for decoding images after the trajectory is recorded, and the
+# schedule, computed by diffusers' own calls — both off the parity-critical path (the transformer, samplers and
+# CFG are the engine's own).
+DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qwen_image/schedule.py"}
+# A family's train side in its folder: diffusers' reference model built from a preset, and the checkpoint writer.
+# The engine never imports them (the closure test), only the family spec's functions do, when called.
+TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py"}
+# Phase-1 aliases at the old homes of moved family code, importing the family until their users (trueflow/train,
+# the tests' conftest, scripts, benchmarks) import the new homes; G1 phase 2 removes them (and this list).
+FAMILY_IMPORT_EXCEPTIONS = {"trueflow/checkpoints/qwen_image.py", "trueflow/checkpoints/presets.py",
+                            "trueflow/engine/schedule.py"}
 NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
-               "trueflow/models/qwen_image/patches.py", *sorted(
+               "trueflow/models/qwen_image/patches.py", "trueflow/models/qwen_image/latents.py",
+               "trueflow/models/qwen_image/train.py", *sorted(
                    str(p.relative_to(ROOT)) for p in (PACKAGE / "layers").glob("*.py"))]
 # Runtime check: these engine modules, imported alone, must not load diffusers' models.
 ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwen_image.weights",
-                  "trueflow.models.qwen_image.patches", "trueflow.engine.weights", "trueflow.patches",
+                  "trueflow.models.qwen_image.patches", "trueflow.models.qwen_image.family", "trueflow.models",
+                  "trueflow.engine.weights", "trueflow.engine.sampling_params", "trueflow.engine.model_runner",
+                  "trueflow.patches",
                   *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py") if p.stem != "__init__")]
 
 
@@ -44,12 +57,13 @@ def _module_of(rel: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(rel: str) -> list[tuple[str, list[str], int]]:
-    """(absolute module, imported names, line) for every import statement of a file, relative ones resolved."""
+def _imports(rel: str, lazy: bool = True) -> list[tuple[str, list[str], int]]:
+    """(absolute module, imported names, line) for every import statement of a file, relative ones resolved;
+    `lazy=False` leaves out those inside functions."""
     tree = ast.parse((ROOT / rel).read_text(), rel)
     package = _module_of(rel) if rel.endswith("__init__.py") else _module_of(rel).rpartition(".")[0]
     out = []
-    for node in ast.walk(tree):
+    for node in _walk(tree, lazy):
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -59,6 +73,16 @@ def _imports(rel: str) -> list[tuple[str, list[str], int]]:
                 mod = ".".join(base + ([mod] if mod else []))
             out.append((mod, [a.name for a in node.names], node.lineno))
     return out
+
+
+def _walk(tree: ast.AST, into_functions: bool):
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if into_functions or not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                todo.append(child)
 
 
 def _diffusers_model_imports(rel: str) -> list[str]:
@@ -79,16 +103,20 @@ def _diffusers_model_imports(rel: str) -> list[str]:
 def test_engine_code_imports_no_diffusers_models():
     files = _py_files(*ENGINE_DIRS)
     assert "trueflow/models/qwen_image/transformer.py" in files and "trueflow/engine/weights.py" in files
-    assert DIFFUSERS_SIDE_FILES <= set(files)
-    bad = [b for rel in files if rel not in DIFFUSERS_SIDE_FILES for b in _diffusers_model_imports(rel)]
+    allowed = DIFFUSERS_SIDE_FILES | TRAIN_SIDE_FILES
+    assert allowed <= set(files)
+    bad = [b for rel in files if rel not in allowed for b in _diffusers_model_imports(rel)]
     assert not bad, "\n".join(bad)
-    # the two named exceptions really are diffusers-side (if one stops being so, shrink the list)
-    for rel in DIFFUSERS_SIDE_FILES:
-        assert _diffusers_model_imports(rel), rel
+    # the named exceptions really are diffusers-side (if one stops being so, shrink the list); the schedule imports
+    # a diffusers pipeline module, which loads diffusers' models when imported
+    for rel in allowed:
+        assert _diffusers_model_imports(rel) or any(m.startswith("diffusers.pipelines.") for m, _, _ in _imports(rel)), rel
 
 
 def _trueflow_closure(roots: list[str]) -> set[str]:
-    """Files of every trueflow module the given files import, transitively (packages' __init__ included)."""
+    """Files of every trueflow module the given files import, transitively (packages' __init__ included). A family
+    spec (`family.py`) reaches its heavy pieces only through imports inside its functions, run when called: those
+    are not followed (the runtime test below checks importing the spec loads none of them)."""
     by_module = {_module_of(rel): rel for rel in _py_files("trueflow")}
     seen, todo = set(), list(roots)
     while todo:
@@ -96,7 +124,7 @@ def _trueflow_closure(roots: list[str]) -> set[str]:
         if rel in seen:
             continue
         seen.add(rel)
-        for mod, names, _ in _imports(rel):
+        for mod, names, _ in _imports(rel, lazy=not rel.endswith("/family.py")):
             candidates = [mod] + [f"{mod}.{n}" for n in names]
             parts = mod.split(".")
             candidates += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run too
@@ -109,12 +137,62 @@ def test_engine_closure_imports_no_diffusers_models():
     the transformer, its layers and the patch group do not reach even that."""
     bad = []
     for root in _py_files(*ENGINE_DIRS):
+        if root in TRAIN_SIDE_FILES:
+            continue
         closure = _trueflow_closure([root])
         bad += [f"{root} imports (through trueflow) {b}" for rel in sorted(closure - {root} - DIFFUSERS_SIDE_FILES)
                 for b in _diffusers_model_imports(rel)]
-        if root.startswith(("trueflow/models", "trueflow/layers")):
+        if root.startswith(("trueflow/models", "trueflow/layers")) and root not in DIFFUSERS_SIDE_FILES:
             bad += [f"{root} imports (through trueflow) {rel}" for rel in sorted(closure & DIFFUSERS_SIDE_FILES)]
     assert not bad, "\n".join(bad)
+
+
+# -- families are values: no generic module imports one ------------------------------------------------------
+def _family_imports(rel: str) -> list[str]:
+    """A file's imports of a family module: static ones, and importlib/__import__ calls whose string names one."""
+    bad = []
+    for mod, names, line in _imports(rel):
+        hits = [m for m in [mod, *(f"{mod}.{n}" for n in names)]
+                if any(m == f"trueflow.models.{f}" or m.startswith(f"trueflow.models.{f}.") for f in FAMILIES)]
+        bad += [f"{rel}:{line}: imports {h}" for h in hits[:1]]
+    for node in ast.walk(ast.parse((ROOT / rel).read_text(), rel)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("import_module", "__import__", "find_spec"):
+                text = " ".join(c.value for a in node.args for c in ast.walk(a)
+                                if isinstance(c, ast.Constant) and isinstance(c.value, str))
+                bad += [f"{rel}:{node.lineno}: {name}(...) names the family {f}" for f in FAMILIES
+                        if f in text.replace("/", ".").split(".")]
+    return bad
+
+
+def _family_of(rel: str) -> str | None:
+    parts = Path(rel).parts
+    return parts[2] if parts[:2] == ("trueflow", "models") and len(parts) > 3 and parts[2] in FAMILIES else None
+
+
+def test_no_module_outside_a_family_imports_it():
+    assert FAMILIES and "qwen_image" in FAMILIES
+    bad = [b for rel in _py_files("trueflow") if rel not in FAMILY_IMPORT_EXCEPTIONS
+           for b in _family_imports(rel) if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
+    assert not bad, "\n".join(bad)
+    for rel in FAMILY_IMPORT_EXCEPTIONS:  # each exception is still needed (else shrink the list)
+        assert _family_imports(rel), rel
+
+
+def test_family_import_check_sees_every_form(tmp_path, monkeypatch):
+    """The check itself: a static import, a relative one, and importlib with the family's name are all caught."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "trueflow" / "engine").mkdir(parents=True)
+    forms = ["from ..models.qwen_image import weights", "import trueflow.models.qwen_image.transformer",
+             "from trueflow.models import qwen_image", "importlib.import_module('trueflow.models.qwen_image.vae')",
+             "__import__(f'trueflow.models.qwen_image.{x}')"]
+    for i, form in enumerate(forms):
+        (tmp_path / "trueflow" / "engine" / f"m{i}.py").write_text(f"import importlib\n{form}\n")
+        assert _family_imports(f"trueflow/engine/m{i}.py"), form
+    (tmp_path / "trueflow" / "engine" / "ok.py").write_text("import importlib\nimportlib.import_module(f'x.{name}')\n")
+    assert not _family_imports("trueflow/engine/ok.py")
 
 
 def test_engine_modules_load_no_diffusers_models_at_runtime():

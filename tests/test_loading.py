@@ -17,7 +17,7 @@ from trueflow.cli import main
 from trueflow.engine.weights import load_engine_transformer, update_lora
 from trueflow.layers.linear import Linear
 from trueflow.loading import CheckpointError
-from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.models.qwen_image.transformer import build_model
 from trueflow.models.qwen_image.weights import WeightLoadError, diffusers_module_name, load_weights, map_module_name
 from trueflow.parity.probe import ParityProbe, ProbeSpec

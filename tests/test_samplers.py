@@ -21,7 +21,7 @@ from trueflow.engine.samplers import (
     sde_log_prob,
     sde_step,
 )
-from trueflow.engine.schedule import QWEN_IMAGE_SCHEDULER_CONFIG, qwen_image_schedule
+from trueflow.models.qwen_image.schedule import QWEN_IMAGE_SCHEDULER_CONFIG, qwen_image_schedule
 
 BF16 = torch.bfloat16
 B, SEQ, CH = 4, 256, 64  # packed Qwen-Image latents: [batch, image tokens, 64 channels]

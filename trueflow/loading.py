@@ -23,7 +23,7 @@ def transformer_dir(checkpoint: str | Path) -> Path:
         if (d / "config.json").is_file():
             return d
     raise CheckpointError(f"no transformer config in {root} (looked for transformer/config.json and config.json); "
-                          f"make a tiny checkpoint with `trueflow init-checkpoint --family qwen_image --size tiny --out DIR`")
+                          f"make a tiny checkpoint with `trueflow init-checkpoint --size tiny --out DIR`")
 
 
 def read_transformer_config(checkpoint: str | Path) -> dict:

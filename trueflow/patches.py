@@ -1,21 +1,16 @@
 """Rollout patch groups: named sets of patches that swap an engine model's fast numerics for train-exact ones.
 
-One self-contained module per model family defines its group (`GROUP`); a group is applied to an engine model
-right after it is built, and each of its patches can be switched off alone to see what it buys.
+Each model family declares its groups (`ModelFamily.patch_groups`, trueflow/models/<family>/family.py); a group is
+applied to an engine model right after it is built, and each of its patches can be switched off alone to see
+what it buys.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
-
-# Group name -> the module that defines it as `GROUP`. "none" keeps the engine's fast paths.
-_GROUP_MODULES = {"qwen_image": "trueflow.models.qwen_image.patches"}
-GROUP_NAMES = ("none", *_GROUP_MODULES)
-
 
 @dataclass(frozen=True)
 class Patch:
@@ -35,15 +30,16 @@ class PatchGroup:
 
 
 def get_group(name: str) -> PatchGroup | None:
-    """The group of that name, or None for "none". `family:backend` (e.g. `qwen_image:_native_cudnn`) is the family's
-    group for a train side running that diffusers attention backend (the module's `make_group`)."""
-    if name == "none":
+    """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
+    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend."""
+    from .models import family_for_patch_group
+
+    family = family_for_patch_group(name)
+    if family is None:
         return None
-    family, _, train_backend = name.partition(":")
-    if family not in _GROUP_MODULES:
-        raise ValueError(f"unknown patch group {name!r}; choose one of {', '.join(GROUP_NAMES)}")
-    module = importlib.import_module(_GROUP_MODULES[family])
-    return module.make_group(train_backend) if train_backend else module.GROUP
+    group, _, train_backend = name.partition(":")
+    spec = family.patch_groups[group]
+    return spec.make(train_backend) if train_backend else spec.group
 
 
 def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:

@@ -48,7 +48,7 @@ from ..loading import read_transformer_state_dict, transformer_dir
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, pack, unpack
 from . import wire
 from .engine import Engine, RolloutCancelled, SamplingParams
-from .prompts import TOKENIZER_MAX_LENGTH
+from .sampling_params import TOKENIZER_MAX_LENGTH
 from .trajectory import Rollout
 
 _T = TypeVar("_T")

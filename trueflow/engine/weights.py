@@ -1,15 +1,17 @@
-"""Building the engine's transformer and updating its weights (the engine-side half of weight sync)."""
+"""Building the engine's transformer and updating its weights (the engine-side half of weight sync), for any
+model family: the family's engine side builds the model and maps diffusers' tensor names onto it."""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
+from torch import nn
 
 from .. import loading
-from ..models.qwen_image.transformer import QwenImageTransformer, build_model
 from ..layers.linear import Linear
-from ..models.qwen_image.weights import diffusers_module_name, load_weights, parse_peft_state_dict, set_lora
+from ..models import family_for_config
+from ..models.spec import ModelFamily
 from ..patches import apply_patch_group
 
 LORA_MERGE_MODES = ("unmerged", "merged")
@@ -22,21 +24,30 @@ def build_engine_transformer(
     dtype: torch.dtype = torch.bfloat16,
     patch_group: str = "none",
     disabled_patches: tuple[str, ...] | list[str] = (),
-) -> QwenImageTransformer:
-    model = build_model(config, device=device, dtype=dtype)
-    load_weights(model, state_dict)
+    family: str | None = None,
+) -> nn.Module:
+    """The engine model of a diffusers transformer config (its family from the config's `_class_name`, or
+    `family`), loaded with diffusers-named tensors, with a patch group applied."""
+    fam = family_for_config(config, family)
+    model = fam.engine.build_model(config, device=device, dtype=dtype)
+    fam.engine.load_weights(model, state_dict)
     apply_patch_group(model, patch_group, disabled_patches)
+    model.family = fam  # what its LoRA updates and read-backs map names with
     return model
 
 
 def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = torch.bfloat16,
-                            patch_group: str = "none", disabled_patches=()) -> QwenImageTransformer:
+                            patch_group: str = "none", disabled_patches=(), family: str | None = None) -> nn.Module:
     return build_engine_transformer(loading.read_transformer_config(checkpoint),
                                     loading.read_transformer_state_dict(checkpoint),
-                                    device, dtype, patch_group, disabled_patches)
+                                    device, dtype, patch_group, disabled_patches, family)
 
 
-def resolve_lora_merge(model: QwenImageTransformer, requested: str | None) -> bool:
+def _family(model: nn.Module) -> ModelFamily:
+    return model.family
+
+
+def resolve_lora_merge(model: nn.Module, requested: str | None) -> bool:
     """Whether a LoRA update is merged into the weights. By default the engine merges (fast) unless its patch
     group keeps adapters unmerged; an explicit `merged` under such a group is honoured with a warning."""
     if requested is None:
@@ -50,22 +61,25 @@ def resolve_lora_merge(model: QwenImageTransformer, requested: str | None) -> bo
     return requested == "merged"
 
 
-def update_lora(model: QwenImageTransformer, peft_state_dict: dict[str, torch.Tensor], scale: float,
+def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
                 merge_mode: str | None = None) -> None:
     """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing: names, shapes and the values as the
-    engine's dtype holds them, scale included, are checked first (`set_lora`), and a bad update raises
-    WeightLoadError (a ValueError) naming every problem, with the previous weights left in place."""
-    set_lora(model, parse_peft_state_dict(peft_state_dict), scale, merge=resolve_lora_merge(model, merge_mode))
+    engine's dtype holds them, scale included, are checked first (the family's `set_lora`), and a bad update
+    raises WeightLoadError (a ValueError) naming every problem, with the previous weights left in place."""
+    engine = _family(model).engine
+    engine.set_lora(model, engine.parse_peft_state_dict(peft_state_dict), scale,
+                    merge=resolve_lora_merge(model, merge_mode))
 
 
-def lora_state(model: QwenImageTransformer) -> dict[str, torch.Tensor]:
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The installed LoRA (merged or not) as PEFT-format tensors, under diffusers' module names: what a weight
     sync sent, read back from the engine's layers (the engine side of the sync checksum)."""
+    name_of = _family(model).engine.diffusers_module_name
     out = {}
     for name, mod in model.named_modules():
         if isinstance(mod, Linear):
             for slot, a in enumerate(mod.adapters):
                 if a is not None:
-                    prefix = diffusers_module_name(name, slot if mod.packed else None)
+                    prefix = name_of(name, slot if mod.packed else None)
                     out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
     return out

@@ -1,0 +1,87 @@
+"""Model families and the registry that finds them.
+
+Each sub-package `trueflow/models/<family>/` with a `family.py` declaring `FAMILY` (a `spec.ModelFamily`) is one
+family; generic code asks this registry for it by name, by checkpoint or by transformer config, and never imports
+a family module itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+
+from .spec import ModelFamily
+
+
+@functools.cache
+def families() -> dict[str, ModelFamily]:
+    """Every family, by name, found by scanning this package's sub-packages."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.ispkg and (Path(__path__[0]) / info.name / "family.py").is_file():
+            family = importlib.import_module(f"{__name__}.{info.name}.family").FAMILY
+            if family.name != info.name:
+                raise RuntimeError(f"trueflow/models/{info.name}/family.py declares the family {family.name!r}")
+            found[family.name] = family
+    defaults = [f.name for f in found.values() if f.default]
+    if len(defaults) != 1:
+        raise RuntimeError(f"exactly one model family must be the default, found {defaults}")
+    return found
+
+
+def get_family(name: str) -> ModelFamily:
+    fams = families()
+    if name not in fams:
+        raise ValueError(f"unknown model family {name!r}; valid families: {', '.join(fams)}")
+    return fams[name]
+
+
+def default_family() -> ModelFamily:
+    return next(f for f in families().values() if f.default)
+
+
+def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> ModelFamily:
+    """The family of a pipeline folder, from its `model_index.json` `_class_name`; `family` names it where the
+    folder has none (a bare transformer folder) and must agree where it has one. Neither: the default family."""
+    index = Path(checkpoint) / "model_index.json"
+    if not index.is_file():
+        return get_family(family) if family is not None else default_family()
+    class_name = json.loads(index.read_text()).get("_class_name")
+    match = [f for f in families().values() if f.pipeline_class == class_name]
+    if not match:
+        known = ", ".join(f"{f.pipeline_class} ({f.name})" for f in families().values())
+        raise ValueError(f"{index}: no model family for the pipeline class {class_name!r}; known: {known}")
+    if family is not None and family != match[0].name:
+        raise ValueError(f"{checkpoint} is a {match[0].name} checkpoint ({class_name}), not {family}; "
+                         f"drop --family or pass --family {match[0].name}")
+    return match[0]
+
+
+def family_for_config(config: dict, family: str | None = None) -> ModelFamily:
+    """The family of a diffusers transformer config, from its `_class_name` (a preset dict has none: then
+    `family`, or the default family)."""
+    if family is not None:
+        return get_family(family)
+    class_name = config.get("_class_name")
+    if class_name is None:
+        return default_family()
+    match = [f for f in families().values() if f.train.transformer_class == class_name]
+    if not match:
+        raise ValueError(f"no model family for the transformer class {class_name!r}; known: "
+                         f"{', '.join(f.train.transformer_class for f in families().values())}")
+    return match[0]
+
+
+def family_for_patch_group(group: str) -> ModelFamily | None:
+    """The family that declares patch group `group` (`name` or `name:backend`); None for "none"."""
+    if group == "none":
+        return None
+    name = group.partition(":")[0]
+    for f in families().values():
+        if name in f.patch_groups:
+            return f
+    names = [g for f in families().values() for g in f.patch_groups]
+    raise ValueError(f"unknown patch group {group!r}; choose one of {', '.join(['none', *names])}")

@@ -10,13 +10,7 @@ import torch
 from torch import nn
 
 from ..layers.linear import Linear
-from ..layers.norms import RMSNorm
-from ..models.qwen_image.transformer import FeedForward, JointAttention, OutputNorm, TimestepEmbedding, TransformerBlock
-from ..models.qwen_image.weights import diffusers_module_name
-
-# Engine modules whose output means the same as the diffusers module of the mapped name. (The engine's fused
-# norm+modulation modules have no single diffusers counterpart, so they are compared through their consumers.)
-_COMPARABLE = (Linear, RMSNorm, TimestepEmbedding, JointAttention, FeedForward, TransformerBlock, OutputNorm)
+from ..models.spec import ModelFamily
 
 
 @dataclass
@@ -56,20 +50,23 @@ def capture(model: nn.Module, names: dict[str, tuple[str, int | None]]):
 LAYER_REPORTS = ("all", "blocks")
 
 
-def engine_targets(engine: nn.Module, layer_report: str = "all") -> dict[str, list[tuple[str, int | None]]]:
-    """Engine module -> [(diffusers module name, output index)], one per packed slot for q/k/v layers.
-    `blocks` keeps top-level modules and whole blocks only."""
+def engine_targets(engine: nn.Module, family: ModelFamily,
+                   layer_report: str = "all") -> dict[str, list[tuple[str, int | None]]]:
+    """Engine module -> [(diffusers module name, output index)], one per packed slot for q/k/v layers, for the
+    modules the family marks comparable. `blocks` keeps top-level modules and whole blocks only."""
     if layer_report not in LAYER_REPORTS:
         raise ValueError(f"unknown layer report {layer_report!r}; choose one of {', '.join(LAYER_REPORTS)}")
+    name_of, comparable = family.engine.diffusers_module_name, family.engine.comparable_modules
+    block_prefixes = tuple(f"{b}." for b in family.blocks)
     out = {}
     for name, mod in engine.named_modules():
-        if layer_report == "blocks" and name.count(".") > (1 if name.startswith("transformer_blocks.") else 0):
+        if layer_report == "blocks" and name.count(".") > (1 if name.startswith(block_prefixes) else 0):
             continue
-        if isinstance(mod, _COMPARABLE) and name:
+        if isinstance(mod, comparable) and name:
             if isinstance(mod, Linear) and mod.packed:
-                out[name] = [(diffusers_module_name(name, i), i) for i in range(len(mod.splits))]
+                out[name] = [(name_of(name, i), i) for i in range(len(mod.splits))]
             else:
-                out[name] = [(diffusers_module_name(name), None)]
+                out[name] = [(name_of(name), None)]
     return out
 
 

@@ -11,14 +11,12 @@ from pathlib import Path
 import torch
 
 from .. import loading
-from ..engine.trajectory import model_timestep
 from ..engine.weights import build_engine_transformer, update_lora
-from ..models.qwen_image.transformer import QwenImageConfig, QwenImageTransformer
+from ..models import family_for_checkpoint, family_for_config, get_family
+from ..models.spec import ModelFamily
 from ..patches import get_group
 from ..train import model as train_model
 from .layers import LayerDiff, capture, compare, engine_targets
-
-VAE_SCALE = 8  # pixels per latent; latents are packed 2x2 into tokens, so one token covers 16x16 pixels
 
 
 @dataclass
@@ -36,6 +34,7 @@ class ProbeSpec:
     device: str = "cpu"
     lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
     layer_report: str = "all"  # "blocks": only top-level modules and whole blocks (less memory at full size)
+    family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
 
     def torch_dtype(self) -> torch.dtype:
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
@@ -66,45 +65,54 @@ class ParityProbe:
     """Builds the train side and its output once; `run(group, disabled)` builds an engine and compares."""
 
     def __init__(self, spec: ProbeSpec):
-        if spec.resolution % (2 * VAE_SCALE):
-            raise ValueError(f"--resolution {spec.resolution} must be a multiple of {2 * VAE_SCALE} pixels")
         if (spec.checkpoint is None) == (spec.random_size is None):
             raise ValueError("give exactly one of a checkpoint folder or a random in-memory size")
         self.spec = s = spec
+        if s.checkpoint is not None:
+            self.family = family_for_checkpoint(s.checkpoint, s.family)
+        else:
+            self.family = get_family(s.family) if s.family is not None else family_for_config({})
+        granule = self.family.pipeline.pixels_per_token
+        if s.resolution % granule:
+            raise ValueError(f"--resolution {s.resolution} must be a multiple of {granule} pixels")
         dtype, device = s.torch_dtype(), torch.device(s.device)
         # The train side runs on its compute copy: fp32 values cast once to the compute dtype (DESIGN 3b).
         if s.checkpoint is not None:
             self.config = loading.read_transformer_config(s.checkpoint)
             self.state_dict = loading.read_transformer_state_dict(s.checkpoint)
-            self.train = train_model.load_transformer(s.checkpoint, dtype)
+            self.train = self.family.train.model_class().from_pretrained(s.checkpoint, subfolder="transformer",
+                                                                         dtype=dtype)
         else:
-            from ..checkpoints.presets import build_transformer, transformer_config
-
-            self.config = transformer_config(s.random_size)
-            self.train = build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)
+            self.config = self.family.presets.transformer_config(s.random_size)
+            self.train = self.family.presets.build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)
             self.state_dict = self.train.state_dict()
         self.train.to(device).eval().requires_grad_(False)
         self.lora = None
         if s.lora_rank:
-            spec_l = train_model.LoraSpec(rank=s.lora_rank, alpha=s.lora_alpha)
+            spec_l = train_model.LoraSpec(rank=s.lora_rank, alpha=s.lora_alpha,
+                                          target_modules=self.family.train.lora_targets)
             train_model.add_lora(self.train, spec_l, b_init_std=s.lora_b_std, seed=s.seed + 1)
             self.lora = (train_model.lora_state_dict(self.train), spec_l.scale)
-        self.inputs = make_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed, device)
-        self.train_backend = train_model.default_backend(dtype)
+        self.inputs = self.family.probe_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed, device)
+        self.train_backend = self.family.train.backend(dtype)
         self._train_forward()
 
     def _train_forward(self) -> None:
-        names = {n: [(n, None)] for n in _report_names(self.config, self.spec.layer_report)}
+        names = {n: [(n, None)] for n in _report_names(self.family, self.config, self.spec.layer_report)}
+        train = self.family.train
         with torch.no_grad(), capture(self.train, names) as seen:
-            self.train_output = train_model.train_forward(
+            if getattr(self.train, "_trueflow_attention_backend", None) != self.train_backend:
+                self.train.set_attention_backend(self.train_backend)  # diffusers logs on every set
+                self.train._trueflow_attention_backend = self.train_backend
+            self.train_output = train.forward(
                 self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
-                model_timestep(self.inputs["timestep"], self.spec.torch_dtype()), self.inputs["img_shape"],
-                backend=self.train_backend)
+                train.timestep(self.inputs["timestep"], self.spec.torch_dtype()), self.inputs["img_shape"])
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):
         s = self.spec
-        engine = build_engine_transformer(self.config, self.state_dict, s.device, s.torch_dtype(), patch_group, disabled)
+        engine = build_engine_transformer(self.config, self.state_dict, s.device, s.torch_dtype(), patch_group,
+                                          disabled, family=self.family.name)
         if self.lora is not None:
             update_lora(engine, self.lora[0], self.lora[1], s.lora_merge_mode)
         return engine
@@ -131,7 +139,7 @@ class ParityProbe:
         return result, out
 
     def compare_engine(self, engine, patch_group: str, disabled=()) -> tuple[ProbeResult, torch.Tensor]:
-        with torch.no_grad(), capture(engine, engine_targets(engine, self.spec.layer_report)) as seen:
+        with torch.no_grad(), capture(engine, engine_targets(engine, self.family, self.spec.layer_report)) as seen:
             out = engine(self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
                          self.inputs["timestep"], self.inputs["img_shape"])
         rows = compare(self.train_layers, seen)
@@ -144,14 +152,14 @@ class ParityProbe:
             first_differing_module=first.module if first else None,
             first_differing_max_abs_diff=first.max_abs_diff if first else None,
             train_attention_backend=self.train_backend,
-            engine_attention_backend=engine.transformer_blocks[0].attn.backend if len(engine.transformer_blocks) else "-",
+            engine_attention_backend=self.family.engine.attention_backend(engine),
             layers=rows), out
 
     def ablate(self, patch_group: str) -> list[ProbeResult]:
         """The whole group, then each patch switched off alone, then no group."""
         group = get_group(patch_group)
         if group is None:
-            raise ValueError("--ablate needs a patch group (e.g. --patch-group qwen_image)")
+            raise ValueError(f"--ablate needs a patch group (e.g. --patch-group {next(iter(self.family.patch_groups))})")
         runs = [(patch_group, ())] + [(patch_group, (p,)) for p in group.patch_names] + [("none", ())]
         return [self.run(g, d)[0] for g, d in runs]
 
@@ -164,7 +172,7 @@ class ParityProbe:
         out.mkdir(parents=True, exist_ok=True)
         s = self.spec
         tensors = {k: v.contiguous().cpu() for k, v in self.inputs.items() if isinstance(v, torch.Tensor)}
-        tensors["timestep_train"] = model_timestep(self.inputs["timestep"], s.torch_dtype()).cpu()
+        tensors["timestep_train"] = self.family.train.timestep(self.inputs["timestep"], s.torch_dtype()).cpu()
         tensors["engine_output"] = engine_output.contiguous().cpu()
         save_file(tensors, str(out / "inputs.safetensors"))
         files = ["inputs.safetensors"]
@@ -174,12 +182,12 @@ class ParityProbe:
         manifest = {
             "format": "trueflow-parity-probe/1",
             "checkpoint": str(Path(s.checkpoint).resolve()) if s.checkpoint else None,
-            "random_size": s.random_size, "seed": s.seed,
+            "family": self.family.name, "random_size": s.random_size, "seed": s.seed,
             "dtype": s.dtype, "img_shape": list(self.inputs["img_shape"]),
             "train_attention_backend": self.train_backend,
             "lora": None if self.lora is None else {
                 "rank": s.lora_rank, "alpha": s.lora_alpha if s.lora_alpha is not None else s.lora_rank,
-                "target_modules": list(train_model.DEFAULT_LORA_TARGETS), "file": "lora.safetensors"},
+                "target_modules": list(self.family.train.lora_targets), "file": "lora.safetensors"},
             "files": files,
             "result": result.to_json(with_layers=False),
         }
@@ -187,20 +195,16 @@ class ParityProbe:
         return out
 
 
-def _report_names(config: dict, layer_report: str) -> list[str]:
+def _report_names(family: ModelFamily, config: dict, layer_report: str) -> list[str]:
     """The diffusers module names the engine can be compared on (from a parameter-free meta-device engine)."""
-    with torch.device("meta"):
-        engine = QwenImageTransformer(QwenImageConfig.from_dict(config))
-    return [name for targets in engine_targets(engine, layer_report).values() for name, _ in targets]
+    engine = family.engine.build_model(config, device="meta")
+    return [name for targets in engine_targets(engine, family, layer_report).values() for name, _ in targets]
 
 
-def make_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
-    """Seeded probe inputs: packed latents, text embeddings, and one schedule timestep (fp32, 0..1000) shared by
-    the batch, as a denoising step has. The engine takes it as is; the train side as the pipeline passes it."""
-    g = torch.Generator().manual_seed(seed)
-    side = resolution // (2 * VAE_SCALE)
-    hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
-    ehs = torch.randn(batch, text_len, config["joint_attention_dim"], generator=g)
-    t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
-    return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
-            "timestep": t.to(device), "img_shape": (side, side)}
+def make_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device,
+                family: str | None = None) -> dict:
+    """The probe's seeded inputs for a transformer config (its family from the config, or `family`): packed
+    latents, text embeddings, and one schedule timestep (fp32, 0..1000) shared by the batch, as a denoising step
+    has. The engine takes it as is; the train side as its pipeline passes it (`TrainSide.timestep`)."""
+    return family_for_config(dict(config), family).probe_inputs(config, batch, text_len, resolution, dtype, seed,
+                                                                device)

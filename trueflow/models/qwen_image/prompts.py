@@ -7,8 +7,12 @@ called directly. The trainer never re-encodes: it re-scores with the embeddings 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+if TYPE_CHECKING:  # the classes load transformers' model code; the engine passes built objects
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 # `QwenImagePipeline.__init__` hard-codes the chat template and how many of its leading tokens to drop; no checkpoint
 # file holds them (tests check both equal the pipeline's own attributes; the tiny-checkpoint writer imports them).
@@ -27,8 +31,8 @@ TOKENIZER_MAX_LENGTH = 1024
 
 @torch.no_grad()
 def encode_prompts(
-    tokenizer: Qwen2Tokenizer,
-    text_encoder: Qwen2_5_VLForConditionalGeneration,
+    tokenizer: "Qwen2Tokenizer",
+    text_encoder: "Qwen2_5_VLForConditionalGeneration",
     prompts: list[str],
     max_sequence_length: int = 512,
 ) -> list[torch.Tensor]:

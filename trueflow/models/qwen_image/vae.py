@@ -1,8 +1,8 @@
-"""Latent layout (2x2 packing) and decoding packed latents to uint8 images, as `QwenImagePipeline` does.
+"""Decoding packed latents to uint8 images, as `QwenImagePipeline` does.
 
-The VAE is diffusers' `AutoencoderKLQwenImage`: the one place engine code uses a diffusers model. It is off
-the parity-critical path: decoding runs after the trajectory (latents, log-probs, guided outputs) is recorded,
-and the trainer never sees pixels, only rewards computed from them.
+The VAE is diffusers' `AutoencoderKLQwenImage`: one of the two places engine code uses diffusers (the schedule is the
+other). It is off the parity-critical path: decoding runs after the trajectory (latents, log-probs, guided
+outputs) is recorded, and the trainer never sees pixels, only rewards computed from them.
 """
 
 from __future__ import annotations
@@ -12,29 +12,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLQwenImage  # decode only; see the module docstring
 
-VAE_SCALE_FACTOR = 8  # pixels per latent (the pipeline: 2 ** len(vae.temperal_downsample))
-PATCH = 2  # latents are packed 2x2 into tokens, so one token covers 16x16 pixels
-PIXELS_PER_TOKEN = VAE_SCALE_FACTOR * PATCH
-
-
-def latent_grid(height: int, width: int) -> tuple[int, int]:
-    """The packed token grid (rows, columns) of an image of `height x width` pixels: the transformer's img_shape."""
-    return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """`[B, 1, C, h, w]` -> `[B, (h/2)·(w/2), 4C]`: `QwenImagePipeline._pack_latents`."""
-    b, _, c, h, w = latents.shape
-    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """`[B, S, 4C]` -> `[B, C, 1, h, w]` for an image of `height x width` pixels: `_unpack_latents`."""
-    b, _, channels = latents.shape
-    rows, cols = latent_grid(height, width)
-    latents = latents.view(b, rows, cols, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return latents.reshape(b, channels // 4, 1, 2 * rows, 2 * cols)
+from .latents import unpack_latents
 
 
 class VaeDecoder:

@@ -1,0 +1,80 @@
+"""What one rollout request asks of the denoise loop: steps, sampler, guidance, image size, microgroups."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models import default_family
+from ..models.spec import ModelFamily
+
+SAMPLERS = ("ode", "sde", "cps")
+# The default family's text-encoder window: the server's default and largest prompt-token limit (its limits do not
+# follow the engine's family yet: G1 phase 2).
+TOKENIZER_MAX_LENGTH = default_family().pipeline.max_text_tokens
+
+
+@dataclass
+class SamplingParams:
+    steps: int = 10
+    sampler: str = "sde"  # "ode" | "sde" | "cps"
+    noise_level: float = 0.7  # a, of the SDE and CPS steps
+    cfg_scale: float = 4.0  # true CFG when > 1 (as the pipeline: 1 runs the positive branch alone)
+    negative_prompt: str = " "
+    num_sde_steps: int | None = None  # stochastic steps per trajectory; None: every step (sde/cps)
+    sde_window: tuple[int, int] | None = None  # half-open step range the window lies in; None: all steps
+    height: int = 64
+    width: int = 64
+    max_sequence_length: int = 512
+    rollout_microgroup_size: int | None = None  # None: a prompt's n samples in one microgroup
+
+    def __post_init__(self) -> None:
+        if self.sde_window is not None:
+            self.sde_window = tuple(self.sde_window)  # e.g. a list read back from JSON
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        for name in ("noise_level", "cfg_scale"):  # NaN slips through every comparison below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        if self.sampler != "ode" and not self.noise_level > 0:
+            raise ValueError(f"the {self.sampler} sampler needs noise_level > 0, got {self.noise_level}; "
+                             f"use sampler='ode' for deterministic sampling")
+        if self.cfg_scale < 1:
+            raise ValueError(f"cfg_scale must be >= 1 (1 turns guidance off), got {self.cfg_scale}")
+        if self.sampler == "ode" and (self.num_sde_steps is not None or self.sde_window is not None):
+            raise ValueError("num_sde_steps/sde_window need a stochastic sampler: set sampler='sde' or 'cps', "
+                             "or leave them unset for ODE sampling")
+        if self.num_sde_steps is not None and not 1 <= self.num_sde_steps <= self.steps:
+            raise ValueError(f"num_sde_steps must be in 1..steps={self.steps} (None: every step), "
+                             f"got {self.num_sde_steps}")
+        if self.sde_window is not None:
+            if self.num_sde_steps is None:
+                raise ValueError("sde_window needs num_sde_steps (how many steps of the window are stochastic)")
+            lo, hi = self.sde_window
+            if not (0 <= lo < hi <= self.steps and hi - lo >= self.num_sde_steps):
+                raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= lo < hi <= steps={self.steps} "
+                                 f"and hold num_sde_steps={self.num_sde_steps} steps")
+        check_family_limits(self, default_family())
+        if self.rollout_microgroup_size is not None and self.rollout_microgroup_size < 1:
+            raise ValueError(f"rollout_microgroup_size must be >= 1 (None: all samples of a prompt), "
+                             f"got {self.rollout_microgroup_size}")
+
+    @property
+    def cfg(self) -> bool:
+        return self.cfg_scale > 1
+
+
+def check_family_limits(params: SamplingParams, family: ModelFamily) -> None:
+    """The image sizes and text length `family`'s pipeline takes. (A `SamplingParams` is checked against the
+    default family when made, as it carries no family; an engine of another family checks its own.)"""
+    granule = family.pipeline.pixels_per_token
+    for name in ("height", "width"):
+        v = getattr(params, name)
+        if v < granule or v % granule:
+            raise ValueError(f"{name} must be a positive multiple of {granule} pixels "
+                             f"({family.pipeline.size_reason}), got {v}")
+    cap = family.pipeline.max_text_tokens
+    if not 1 <= params.max_sequence_length <= cap:
+        raise ValueError(f"max_sequence_length must be in 1..{cap}, got {params.max_sequence_length}")

@@ -1,0 +1,132 @@
+"""Qwen-Image (`QwenImagePipeline`, `QwenImageTransformer2DModel`) as a `ModelFamily`.
+
+Heavy pieces (transformers' text encoder, diffusers' VAE, schedule and reference model, the checkpoint writer) are
+imported by the small functions below when called, so reading this spec loads none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...engine.trajectory import model_timestep
+from ...layers.linear import Linear
+from ...layers.norms import RMSNorm
+from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
+from . import patches, weights
+from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
+from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
+from .train import train_forward
+from .transformer import (FeedForward, JointAttention, OutputNorm, QwenImageConfig, TimestepEmbedding,
+                          TransformerBlock, build_model)
+
+
+
+def _load_text(root: Path, device: torch.device, dtype: torch.dtype):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    tokenizer = Qwen2Tokenizer.from_pretrained(root / "tokenizer")
+    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=dtype)
+    return tokenizer, text_encoder.to(device).eval()
+
+
+def _noise_shape(config: QwenImageConfig, grid: tuple[int, int]) -> tuple[int, ...]:
+    # The pipeline's prepare_latents: [B, 1, C/4, 2·rows, 2·cols], packed 2x2 into tokens of C channels.
+    return 1, config.in_channels // 4, PATCH * grid[0], PATCH * grid[1]
+
+
+def _schedule(scheduler_config: dict, num_steps: int, image_seq_len: int, device=None):
+    from .schedule import qwen_image_schedule
+
+    return qwen_image_schedule(scheduler_config, num_steps, image_seq_len, device)
+
+
+def _load_decoder(root: Path, device: torch.device, dtype: torch.dtype):
+    from .vae import VaeDecoder
+
+    return VaeDecoder(root, device, dtype)
+
+
+def _probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
+    """Seeded probe inputs: packed latents, text embeddings, and one schedule timestep (fp32, 0..1000) shared by
+    the batch, as a denoising step has. The engine takes it as is; the train side as the pipeline passes it."""
+    g = torch.Generator().manual_seed(seed)
+    side = resolution // PIXELS_PER_TOKEN
+    hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
+    ehs = torch.randn(batch, text_len, config["joint_attention_dim"], generator=g)
+    t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
+    return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
+            "timestep": t.to(device), "img_shape": (side, side)}
+
+
+def _transformer_config(size: str) -> dict:
+    from .presets import transformer_config
+
+    return transformer_config(size)
+
+
+def _build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
+    from .presets import build_transformer
+
+    return build_transformer(size_or_config, seed, dtype, device)
+
+
+def _write_checkpoint(out: Path, size: str, seed: int, dtype: torch.dtype, device) -> None:
+    from .checkpoint import write_checkpoint
+
+    write_checkpoint(out, size, seed, dtype, device)
+
+
+FAMILY = ModelFamily(
+    name="qwen_image",
+    pipeline_class="QwenImagePipeline",
+    default=True,
+    blocks=("transformer_blocks",),
+    engine=EngineSide(
+        build_model=build_model,
+        load_weights=weights.load_weights,
+        parse_peft_state_dict=weights.parse_peft_state_dict,
+        set_lora=weights.set_lora,
+        map_module_name=weights.map_module_name,
+        diffusers_module_name=weights.diffusers_module_name,
+        # The engine's fused norm+modulation modules have no single diffusers counterpart, so they are compared
+        # through their consumers.
+        comparable_modules=(Linear, RMSNorm, TimestepEmbedding, JointAttention, FeedForward, TransformerBlock,
+                            OutputNorm),
+        attention_backend=lambda m: m.transformer_blocks[0].attn.backend if len(m.transformer_blocks) else "-",
+    ),
+    patch_groups={"qwen_image": PatchGroupSpec(patches.GROUP, patches.make_group, patches.TRAIN_ATTENTION_KERNELS)},
+    pipeline=PipelineSide(
+        folders=("tokenizer", "text_encoder", "vae", "scheduler"),
+        pixels_per_token=PIXELS_PER_TOKEN,
+        size_reason=f"VAE factor {VAE_SCALE_FACTOR} x patch {PATCH}",
+        max_text_tokens=TOKENIZER_MAX_LENGTH,
+        load_text=_load_text,
+        encode_prompts=encode_prompts,
+        latent_grid=latent_grid,
+        noise_shape=_noise_shape,
+        pack_latents=pack_latents,
+        schedule=_schedule,
+        load_decoder=_load_decoder,
+    ),
+    probe_inputs=_probe_inputs,
+    train=TrainSide(
+        transformer_class="QwenImageTransformer2DModel",
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                      "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
+        shard_units=("transformer_blocks",),
+        parity_backend=patches.DEFAULT_TRAIN_ATTENTION_BACKEND,
+        masked_backend="native",
+        timestep=model_timestep,
+        forward=train_forward,
+    ),
+    presets=Presets(
+        transformer_config=_transformer_config,
+        build_transformer=_build_transformer,
+        write_checkpoint=_write_checkpoint,
+    ),
+    # QwenImagePipeline's defaults as the engine runs them (SamplingParams' defaults are these, for now).
+    recipe={"steps": 10, "sampler": "sde", "noise_level": 0.7, "cfg_scale": 4.0, "negative_prompt": " ",
+            "max_sequence_length": 512},
+)

@@ -1,0 +1,119 @@
+"""A model family as a value: what the generic engine, parity probe, checkpoint writer and (from G1 phase 2) the
+trainer need to know about one family, declared as data and small functions in `trueflow/models/<family>/family.py`
+as `FAMILY`. Generic code takes a `ModelFamily` and never imports a family module (tests/test_imports.py).
+
+Fields that point at heavy code (the VAE, the text encoder, diffusers' schedule and reference model) are small
+functions that import it when called, so that reading a spec loads neither diffusers' models nor transformers.
+docs/families.md describes each field and the steps to add a family.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..patches import PatchGroup
+
+Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images
+
+
+class Decoder(Protocol):
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents -> uint8 images `[B, height, width, 3]` on the CPU."""
+
+
+@dataclass(frozen=True)
+class EngineSide:
+    """The engine's DiT and the map between its parameters and diffusers' tensor names."""
+
+    build_model: Callable[[dict, Any, torch.dtype], nn.Module]  # transformer config -> model, parameters unset
+    load_weights: Callable[[nn.Module, dict[str, torch.Tensor]], None]  # diffusers-named tensors, all or nothing
+    parse_peft_state_dict: Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    set_lora: Callable[[nn.Module, dict, float, bool], None]  # (model, {diffusers module: (A, B)}, scale, merge)
+    map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
+    diffusers_module_name: Callable[..., str]  # (engine module, slot=None) -> diffusers module: the inverse
+    comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name
+    attention_backend: Callable[[nn.Module], str]  # the attention kernel a built model runs (for reports)
+
+
+@dataclass(frozen=True)
+class PatchGroupSpec:
+    """One rollout patch group: the group for the default train attention backend, and the group for a train side
+    on another diffusers backend (`name:backend`), whose `attention_kernel` patch pins the kernel that backend
+    runs (`train_backends`: diffusers backend -> engine kernel)."""
+
+    group: PatchGroup
+    make: Callable[[str], PatchGroup]
+    train_backends: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class PipelineSide:
+    """The pipeline's pieces around the DiT, each bitwise as the family's diffusers pipeline computes it."""
+
+    folders: tuple[str, ...]  # sub-folders a whole pipeline folder has, besides transformer/
+    pixels_per_token: int  # image sides are multiples of this (VAE factor x patch)
+    size_reason: str  # why, in a few words, for the error message
+    max_text_tokens: int  # the text encoder's window (max_sequence_length cap)
+    load_text: Callable[[Path, torch.device, torch.dtype], tuple[Any, nn.Module]]  # -> (tokenizer, text encoder)
+    encode_prompts: Callable[[Any, nn.Module, list[str], int], list[torch.Tensor]]  # -> per prompt [L_i, D]
+    latent_grid: Callable[[int, int], Grid]  # (height, width) pixels -> token grid
+    noise_shape: Callable[[Any, Grid], tuple[int, ...]]  # (engine model config, grid) -> one sample's noise shape
+    pack_latents: Callable[[torch.Tensor], torch.Tensor]  # noise `[B, *noise_shape[1:]]` -> tokens `[B, S, C]`
+    schedule: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (scheduler config, steps, tokens, device)
+    load_decoder: Callable[[Path, torch.device, torch.dtype], Decoder]
+
+
+@dataclass(frozen=True)
+class TrainSide:
+    """The train side's reference model, as data: diffusers' class by name, the PEFT LoRA targets, the FSDP shard
+    units, and the call the family's pipeline makes. The trainer reads these from G1 phase 2 on (until then
+    trueflow/train holds its own copies of the Qwen-Image values)."""
+
+    transformer_class: str  # e.g. "QwenImageTransformer2DModel"; its config.json `_class_name`
+    lora_targets: tuple[str, ...]  # PEFT `target_modules`
+    shard_units: tuple[str, ...]  # ModuleLists whose items are each one FSDP unit (the rest is one more)
+    parity_backend: str  # diffusers attention backend the default patch group pairs with
+    masked_backend: str  # where a batch with a text mask goes (the parity backend refuses masks)
+    timestep: Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # schedule t (fp32) -> what the pipeline passes
+    forward: Callable[..., torch.Tensor]  # (model, hidden, text, timestep(t), grid, text mask) -> prediction
+    module: str = "diffusers"  # where `transformer_class` is found (a family written outside diffusers names its own)
+
+    def model_class(self) -> type:
+        """The diffusers model class (imported on call: the engine never needs it)."""
+        return getattr(importlib.import_module(self.module), self.transformer_class)
+
+    def backend(self, dtype: torch.dtype) -> str:
+        """The attention backend the train side runs in `dtype` (the parity backend takes bf16/fp16 only)."""
+        return self.parity_backend if dtype in (torch.bfloat16, torch.float16) else self.masked_backend
+
+
+@dataclass(frozen=True)
+class Presets:
+    """Architecture sizes, the train side built from one with seeded random weights, and the checkpoint writer."""
+
+    transformer_config: Callable[[str], dict]
+    build_transformer: Callable[..., nn.Module]  # (size or config, seed, dtype, device) -> diffusers model
+    write_checkpoint: Callable[[Path, str, int, torch.dtype, Any], None]  # (empty folder, size, seed, dtype, device)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # the folder under trueflow/models, `--family`
+    pipeline_class: str  # the `_class_name` of a checkpoint's model_index.json
+    default: bool  # the family used where neither a checkpoint nor `--family` names one (exactly one has it)
+    blocks: tuple[str, ...]  # ModuleLists of repeated blocks, named alike on both sides (`--layer-report blocks`)
+    engine: EngineSide
+    patch_groups: Mapping[str, PatchGroupSpec]
+    pipeline: PipelineSide
+    probe_inputs: Callable[..., dict]  # (config, batch, text_len, resolution, dtype, seed, device) -> the probe's
+    # seeded inputs: hidden_states, encoder_hidden_states, timestep (fp32 schedule t), img_shape (the grid)
+    train: TrainSide
+    presets: Presets
+    recipe: Mapping[str, Any]  # the default sampling recipe: `SamplingParams` fields
