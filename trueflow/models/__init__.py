@@ -21,10 +21,11 @@ def families() -> dict[str, ModelFamily]:
     """Every family, by name, found by scanning this package's sub-packages."""
     found = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.ispkg and (Path(__path__[0]) / info.name / "family.py").is_file():
+        if info.ispkg and (Path(info.module_finder.path) / info.name / "family.py").is_file():
             family = importlib.import_module(f"{__name__}.{info.name}.family").FAMILY
             if family.name != info.name:
-                raise RuntimeError(f"trueflow/models/{info.name}/family.py declares the family {family.name!r}")
+                raise RuntimeError(f"{info.module_finder.path}/{info.name}/family.py declares the family "
+                                   f"{family.name!r}, not {info.name!r}")
             found[family.name] = family
     defaults = [f.name for f in found.values() if f.default]
     if len(defaults) != 1:

@@ -1,0 +1,275 @@
+"""`toy_dit`: a two-layer toy DiT declared as a `ModelFamily` outside trueflow, to show that a family is a folder.
+
+tests/test_families.py puts `tests/families` on `trueflow.models.__path__`, so the registry finds this package as
+`trueflow.models.toy_dit` exactly as it finds the families shipped in trueflow/models. Both sides are written here:
+- the train side, diffusers-style: a `ModelMixin` whose attention goes through diffusers' `dispatch_attention_fn`
+  (so `set_attention_backend` and PEFT's `add_adapter` work on it as on a diffusers transformer);
+- the engine side, with trueflow's `Linear` (LoRA merged or unmerged) and two fast paths, LayerNorm + timestep
+  add fused in fp32 and the timestep divided in fp32, that its `toy` patch group swaps for the train side's bf16
+  arithmetic.
+The toy has no text encoder, VAE or schedule: only what `trueflow parity` and `init-checkpoint` use.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import diffusers
+import torch
+import torch.nn.functional as F
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+from diffusers.loaders import PeftAdapterMixin
+from diffusers.models.attention import AttentionModuleMixin
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from torch import nn
+
+from trueflow.checkpoints.random_init import init_weights_
+from trueflow.layers.linear import Linear, LoraAdapter
+from trueflow.models.spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
+from trueflow.patches import Patch, PatchGroup
+
+PIXELS_PER_TOKEN = 16
+EPS = 1e-6
+SIZES = {"tiny": {"in_channels": 8, "text_dim": 12, "num_heads": 2, "head_dim": 8, "num_layers": 2}}
+
+
+# -- the train side (diffusers-style) ---------------------------------------------------------------------------
+class ToyAttnProcessor:
+    _attention_backend = None  # diffusers' `set_attention_backend` sets these two
+    _parallel_config = None
+
+    def __call__(self, attn: "ToyAttention", x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (proj(x).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        out = dispatch_attention_fn(q, k, v, backend=self._attention_backend, parallel_config=self._parallel_config)
+        return attn.to_out(out.flatten(2, 3))
+
+
+class ToyAttention(nn.Module, AttentionModuleMixin):
+    _default_processor_cls = ToyAttnProcessor
+    _available_processors = [ToyAttnProcessor]
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.processor = ToyAttnProcessor()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.processor(self, x)
+
+
+class ToyFeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj_in, self.proj_out = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.gelu(self.proj_in(x)))
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.attn, self.ff = ToyAttention(dim, heads), ToyFeedForward(dim)
+
+    def forward(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(F.layer_norm(h, h.shape[-1:], eps=EPS) + temb[:, None])
+        return h + self.ff(F.layer_norm(h, h.shape[-1:], eps=EPS))
+
+
+class ToyDiT2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
+    @register_to_config
+    def __init__(self, in_channels: int = 8, text_dim: int = 12, num_heads: int = 2, head_dim: int = 8,
+                 num_layers: int = 2):
+        super().__init__()
+        dim = num_heads * head_dim
+        self.proj_in, self.txt_in, self.time_in = nn.Linear(in_channels, dim), nn.Linear(text_dim, dim), nn.Linear(1, dim)
+        self.transformer_blocks = nn.ModuleList(ToyBlock(dim, num_heads) for _ in range(num_layers))
+        self.proj_out = nn.Linear(dim, in_channels)
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes=None, return_dict=False):
+        x, c = self.proj_in(hidden_states), self.txt_in(encoder_hidden_states)
+        temb = self.time_in(timestep[:, None])
+        h = torch.cat([c, x], dim=1)
+        for block in self.transformer_blocks:
+            h = block(h, temb)
+        return (self.proj_out(h[:, c.shape[1]:]),)
+
+
+def train_forward(model, hidden_states, encoder_hidden_states, timestep, grid, encoder_hidden_states_mask=None):
+    return model(hidden_states, encoder_hidden_states, timestep, img_shapes=[grid] * hidden_states.shape[0])[0]
+
+
+# -- the engine side --------------------------------------------------------------------------------------------
+class EngineAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (p(x).unflatten(-1, (self.heads, -1)).permute(0, 2, 1, 3) for p in (self.to_q, self.to_k, self.to_v))
+        return self.to_out(F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).flatten(2, 3))
+
+
+class EngineFeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj_in, self.proj_out = Linear(dim, 2 * dim), Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.gelu(self.proj_in(x)))
+
+
+class EngineBlock(nn.Module):
+    exact_norm_add = False  # fast: LayerNorm and the timestep add in fp32, rounded once
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.attn, self.ff = EngineAttention(dim, heads), EngineFeedForward(dim)
+
+    def forward(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        if self.exact_norm_add:
+            a = F.layer_norm(h, h.shape[-1:], eps=EPS) + temb[:, None]
+        else:
+            a = (F.layer_norm(h.float(), h.shape[-1:], eps=EPS) + temb.float()[:, None]).to(h.dtype)
+        h = h + self.attn(a)
+        return h + self.ff(F.layer_norm(h, h.shape[-1:], eps=EPS))
+
+
+class ToyEngine(nn.Module):
+    exact_timestep = False  # fast: t / 1000 in fp32, rounded once
+
+    def __init__(self, config: dict):
+        super().__init__()
+        c = {k: config[k] for k in SIZES["tiny"]}
+        self.config = c
+        dim = c["num_heads"] * c["head_dim"]
+        self.proj_in, self.txt_in, self.time_in = Linear(c["in_channels"], dim), Linear(c["text_dim"], dim), Linear(1, dim)
+        self.transformer_blocks = nn.ModuleList(EngineBlock(dim, c["num_heads"]) for _ in range(c["num_layers"]))
+        self.proj_out = Linear(dim, c["in_channels"])
+        self.lora_merge = True
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shape, encoder_hidden_states_mask=None):
+        x, c = self.proj_in(hidden_states), self.txt_in(encoder_hidden_states)
+        t = timestep.to(x.dtype) / 1000 if self.exact_timestep else (timestep / 1000).to(x.dtype)
+        temb = self.time_in(t[:, None])
+        h = torch.cat([c, x], dim=1)
+        for block in self.transformer_blocks:
+            h = block(h, temb)
+        return self.proj_out(h[:, c.shape[1]:])
+
+
+def build_model(config: dict, device="cpu", dtype: torch.dtype = torch.bfloat16) -> ToyEngine:
+    with torch.device("meta"):
+        model = ToyEngine(config)
+    return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    if set(params) != set(state_dict):
+        raise ValueError(f"toy weights differ: {sorted(set(params) ^ set(state_dict))}")
+    for name, p in params.items():
+        p.copy_(state_dict[name])
+
+
+def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    modules = {k.rsplit(".lora_", 1)[0] for k in state_dict}
+    return {m: (state_dict[f"{m}.lora_A.weight"], state_dict[f"{m}.lora_B.weight"]) for m in modules}
+
+
+def set_lora(model: nn.Module, lora: dict, scale: float, merge: bool) -> None:
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear):
+            a = lora.get(name)
+            dtype = layer.weight.dtype
+            layer.set_lora([None if a is None else LoraAdapter(a[0].to(dtype), a[1].to(dtype), scale)], merge)
+
+
+def _set(kind: type, attr: str, value):
+    def apply(model: nn.Module) -> None:
+        for m in model.modules():
+            if isinstance(m, kind):
+                setattr(m, attr, value)
+    return apply
+
+
+def make_group(train_backend: str = "native") -> PatchGroup:
+    if train_backend != "native":
+        raise ValueError(f"the toy engine reproduces only the `native` train backend, not {train_backend!r}")
+    return PatchGroup("toy", (
+        Patch("layer_norm_add", "LayerNorm rounded to bf16 before the timestep is added, as the train side does",
+              _set(EngineBlock, "exact_norm_add", True)),
+        Patch("timestep_dtype", "t.to(bf16) / 1000, as the train side receives it",
+              _set(ToyEngine, "exact_timestep", True)),
+        Patch("lora_unmerged", "LoRA kept unmerged, in PEFT's order", _set(ToyEngine, "lora_merge", False)),
+    ))
+
+
+# -- presets, checkpoint, probe inputs --------------------------------------------------------------------------
+def transformer_config(size: str) -> dict:
+    if size not in SIZES:
+        raise ValueError(f"unknown transformer size {size!r}; known sizes: {', '.join(SIZES)}")
+    return dict(SIZES[size])
+
+
+def build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu") -> ToyDiT2DModel:
+    config = transformer_config(size_or_config) if isinstance(size_or_config, str) else dict(size_or_config)
+    model = ToyDiT2DModel(**{k: config[k] for k in SIZES["tiny"]})
+    return init_weights_(model.to(device), seed, device).to(dtype).eval()
+
+
+def write_checkpoint(out: Path, size: str, seed: int, dtype: torch.dtype, device) -> None:
+    build_transformer(size, seed, dtype, device).save_pretrained(out / "transformer", safe_serialization=True)
+    (out / "model_index.json").write_text(json.dumps({
+        "_class_name": "ToyDiTPipeline", "_diffusers_version": diffusers.__version__,
+        "transformer": [__name__, "ToyDiT2DModel"]}))
+
+
+def probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    side = resolution // PIXELS_PER_TOKEN
+    hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
+    ehs = torch.randn(batch, text_len, config["text_dim"], generator=g)
+    t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
+    return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
+            "timestep": t.to(device), "img_shape": (side, side)}
+
+
+def _no_pipeline(*_args, **_kwargs):
+    raise NotImplementedError("the toy family has no text encoder, VAE or schedule")
+
+
+FAMILY = ModelFamily(
+    name="toy_dit",
+    pipeline_class="ToyDiTPipeline",
+    default=False,
+    blocks=("transformer_blocks",),
+    engine=EngineSide(
+        build_model=build_model, load_weights=load_weights, parse_peft_state_dict=parse_peft_state_dict,
+        set_lora=set_lora, map_module_name=lambda name: (name, None),
+        diffusers_module_name=lambda name, slot=None: name,
+        comparable_modules=(Linear, EngineAttention, EngineFeedForward, EngineBlock),
+        attention_backend=lambda model: "sdpa",
+    ),
+    patch_groups={"toy": PatchGroupSpec(make_group(), make_group, {"native": "sdpa"})},
+    pipeline=PipelineSide(
+        folders=(), pixels_per_token=PIXELS_PER_TOKEN, size_reason="toy VAE factor 8 x patch 2", max_text_tokens=64,
+        load_text=_no_pipeline, encode_prompts=_no_pipeline, latent_grid=_no_pipeline, noise_shape=_no_pipeline,
+        pack_latents=_no_pipeline, schedule=_no_pipeline, load_decoder=_no_pipeline,
+    ),
+    probe_inputs=probe_inputs,
+    train=TrainSide(
+        transformer_class="ToyDiT2DModel", module=__name__,
+        lora_targets=("to_q", "to_k", "to_v", "to_out", "ff.proj_in", "ff.proj_out"),
+        shard_units=("transformer_blocks",), parity_backend="native", masked_backend="native",
+        timestep=lambda t, dtype: t.to(dtype) / 1000, forward=train_forward,
+    ),
+    presets=Presets(transformer_config=transformer_config, build_transformer=build_transformer,
+                    write_checkpoint=write_checkpoint),
+    recipe={"steps": 4, "sampler": "sde", "noise_level": 0.7, "cfg_scale": 1.0},
+)

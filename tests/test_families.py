@@ -1,0 +1,110 @@
+"""Model families are values the registry finds by scanning `trueflow/models/*/`; the Qwen-Image spec agrees with
+the diffusers classes and files it names; and a fake family written only in tests/families runs
+`init-checkpoint`, `patches` and `parity` through the generic code, bitwise under its patch group."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import trueflow.models as registry
+from trueflow.cli import main
+from trueflow.engine.sampling_params import SamplingParams
+from trueflow.models import default_family, families, family_for_checkpoint, family_for_config, get_family
+
+FAKE_FAMILIES = Path(__file__).parent / "families"
+
+
+def test_registry_finds_the_shipped_families_by_scanning():
+    found = families()
+    assert "qwen_image" in found and default_family() is found["qwen_image"]
+    shipped = {p.parent.name for p in (Path(registry.__file__).parent).glob("*/family.py")}
+    assert set(found) == shipped
+    with pytest.raises(ValueError, match="unknown model family 'flux'; valid families: qwen_image"):
+        get_family("flux")
+
+
+def test_family_comes_from_model_index(tiny_checkpoint, tmp_path):
+    assert family_for_checkpoint(tiny_checkpoint).name == "qwen_image"
+    index = json.loads((Path(tiny_checkpoint) / "model_index.json").read_text())  # written by diffusers
+    assert index["_class_name"] == get_family("qwen_image").pipeline_class
+    with pytest.raises(ValueError, match="drop --family or pass --family qwen_image"):
+        family_for_checkpoint(tiny_checkpoint, "toy")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(ValueError, match="no model family for the pipeline class 'FluxPipeline'"):
+        family_for_checkpoint(other)
+    config = json.loads((Path(tiny_checkpoint) / "transformer" / "config.json").read_text())
+    assert family_for_config(config).train.transformer_class == config["_class_name"]
+
+
+def test_qwen_image_spec_matches_diffusers_and_the_trainer(tiny_checkpoint):
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from trueflow.train import config as train_config
+
+    fam = get_family("qwen_image")
+    train = fam.train.model_class().from_pretrained(tiny_checkpoint, subfolder="transformer")
+    names = [n for n, _ in train.named_modules()]
+    for target in fam.train.lora_targets:  # each target hits a module, PEFT's own matching
+        assert any(check_target_module_exists(type("C", (), {"target_modules": [target]})(), n) for n in names), target
+    for unit in fam.train.shard_units + fam.blocks:
+        assert isinstance(getattr(train, unit), torch.nn.ModuleList) and len(getattr(train, unit)) > 0
+    # Phase 1: the trainer still holds its own copies of these; G1 phase 2 reads them from the family.
+    assert fam.train.lora_targets == train_config.DEFAULT_LORA_TARGETS
+    assert (fam.train.parity_backend, fam.train.masked_backend) == (train_config.PARITY_BACKEND,
+                                                                   train_config.MASKED_BACKEND)
+    defaults = asdict(SamplingParams())
+    assert {k: defaults[k] for k in fam.recipe} == dict(fam.recipe)
+
+
+# -- a family that lives only in the tests ---------------------------------------------------------------------
+@pytest.fixture
+def toy_family(monkeypatch):
+    """tests/families on the registry's search path: the `toy_dit` folder is then a family like a shipped one."""
+    monkeypatch.setattr(registry, "__path__", [*registry.__path__, str(FAKE_FAMILIES)])
+    families.cache_clear()
+    yield get_family("toy_dit")
+    families.cache_clear()
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_fake_family_runs_parity_through_the_generic_code(toy_family, tmp_path, capsys):
+    ckpt = tmp_path / "toy"
+    rc, out, _ = _run(capsys, "init-checkpoint", "--family", "toy_dit", "--out", str(ckpt))
+    assert rc == 0 and "toy_dit checkpoint" in out
+    assert family_for_checkpoint(ckpt) is toy_family
+
+    rc, out, _ = _run(capsys, "patches", "--patch-group", "toy")
+    assert rc == 0 and [line.split()[0] for line in out.splitlines()] == ["layer_norm_add", "timestep_dtype", "lora_unmerged"]
+
+    def parity(group: str, *extra: str) -> dict:
+        rc, out, err = _run(capsys, "parity", "--checkpoint", str(ckpt), "--patch-group", group, "--batch", "2",
+                            "--lora-rank", "4", "--json", *extra)
+        assert rc == 0, err
+        return json.loads(out)
+
+    exact = parity("toy", "--ablate")
+    assert exact["model_output_max_abs_diff"] == 0.0 and exact["bitwise_equal"]
+    assert exact["patches_applied"] == ["layer_norm_add", "timestep_dtype", "lora_unmerged"]
+    assert exact["train_attention_backend"] == "native"
+    # the per-layer report compares the toy's own modules by their diffusers names
+    assert {r["module"] for r in exact["layers"]} >= {"proj_in", "transformer_blocks.1.ff", "proj_out"}
+    assert all(r["max_abs_diff"] == 0.0 for r in exact["layers"])
+    ablation = {(r["patch_group"], *r["disabled_patches"]): r["model_output_max_abs_diff"] for r in exact["ablation"]}
+    assert ablation[("toy",)] == 0.0 and ablation[("none",)] > 0
+    assert ablation[("toy", "layer_norm_add")] > 0 and ablation[("toy", "lora_unmerged")] > 0
+
+    fast = parity("none")
+    assert fast["model_output_max_abs_diff"] > 0 and not fast["bitwise_equal"]
+    assert fast["first_differing_module"] is not None
