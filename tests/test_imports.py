@@ -33,11 +33,12 @@ FAMILY_IMPORT_EXCEPTIONS = {"trueflow/checkpoints/qwen_image.py", "trueflow/chec
                             "trueflow/engine/schedule.py"}
 NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
                "trueflow/models/qwen_image/patches.py", "trueflow/models/qwen_image/latents.py",
-               "trueflow/models/qwen_image/train.py", *sorted(
+               "trueflow/models/qwen_image/train.py", "trueflow/models/weight_map.py", *sorted(
                    str(p.relative_to(ROOT)) for p in (PACKAGE / "layers").glob("*.py"))]
 # Runtime check: these engine modules, imported alone, must not load diffusers' models.
 ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwen_image.weights",
                   "trueflow.models.qwen_image.patches", "trueflow.models.qwen_image.family", "trueflow.models",
+                  "trueflow.models.weight_map",
                   "trueflow.engine.weights", "trueflow.engine.sampling_params", "trueflow.engine.model_runner",
                   "trueflow.patches",
                   *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py") if p.stem != "__init__")]

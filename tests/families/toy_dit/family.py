@@ -26,7 +26,8 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from torch import nn
 
 from trueflow.checkpoints.random_init import init_weights_
-from trueflow.layers.linear import Linear, LoraAdapter
+from trueflow.layers.linear import Linear
+from trueflow.models import weight_map
 from trueflow.models.spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
 from trueflow.patches import Patch, PatchGroup
 
@@ -168,28 +169,6 @@ def build_model(config: dict, device="cpu", dtype: torch.dtype = torch.bfloat16)
     return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    if set(params) != set(state_dict):
-        raise ValueError(f"toy weights differ: {sorted(set(params) ^ set(state_dict))}")
-    for name, p in params.items():
-        p.copy_(state_dict[name])
-
-
-def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    modules = {k.rsplit(".lora_", 1)[0] for k in state_dict}
-    return {m: (state_dict[f"{m}.lora_A.weight"], state_dict[f"{m}.lora_B.weight"]) for m in modules}
-
-
-def set_lora(model: nn.Module, lora: dict, scale: float, merge: bool) -> None:
-    for name, layer in model.named_modules():
-        if isinstance(layer, Linear):
-            a = lora.get(name)
-            dtype = layer.weight.dtype
-            layer.set_lora([None if a is None else LoraAdapter(a[0].to(dtype), a[1].to(dtype), scale)], merge)
-
-
 def _set(kind: type, attr: str, value):
     def apply(model: nn.Module) -> None:
         for m in model.modules():
@@ -250,9 +229,13 @@ FAMILY = ModelFamily(
     default=False,
     blocks=("transformer_blocks",),
     engine=EngineSide(
-        build_model=build_model, load_weights=load_weights, parse_peft_state_dict=parse_peft_state_dict,
-        set_lora=set_lora, map_module_name=lambda name: (name, None),
-        diffusers_module_name=lambda name, slot=None: name,
+        # engine modules are named as diffusers' are: the generic checked loading with the identity name map
+        build_model=build_model,
+        load_weights=lambda model, state_dict: weight_map.load_weights(model, state_dict, weight_map.SAME_NAMES),
+        parse_peft_state_dict=weight_map.parse_peft_state_dict,
+        set_lora=lambda model, lora, scale, merge: weight_map.set_lora(model, lora, scale, merge, weight_map.SAME_NAMES),
+        map_module_name=weight_map.SAME_NAMES.map_module_name,
+        diffusers_module_name=weight_map.SAME_NAMES.diffusers_module_name,
         comparable_modules=(Linear, EngineAttention, EngineFeedForward, EngineBlock),
         attention_backend=lambda model: "sdpa",
     ),

@@ -1,0 +1,244 @@
+"""Loading diffusers-named tensors into an engine model, for any family: full weights and PEFT LoRA, checked all
+at once (names, shapes, and values as the engine's dtype holds them) and applied only when everything is valid.
+
+A family supplies only its name map (`Names`): diffusers module name <-> (engine module name, packed slot). Pure
+name/shape logic and tensor copies, no file I/O (`trueflow.loading` reads the files).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..layers.linear import Linear, LoraAdapter
+
+
+class Names(NamedTuple):
+    """A family's module-name map. Names not renamed are the same on both sides."""
+
+    map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
+    diffusers_module_name: Callable[..., str]  # (engine module, slot=None) -> diffusers module: the inverse
+
+
+SAME_NAMES = Names(lambda name: (name, None), lambda name, slot=None: name)
+
+
+class WeightLoadError(ValueError):
+    """Raised with every missing, unexpected, mis-shaped and refused tensor listed at once; nothing was applied."""
+
+    def __init__(self, missing: list[str], unexpected: list[str], mismatched: list[str], what: str = "weights",
+                 refused: list[str] | None = None):
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+        self.refused = refused or []
+        lines = [f"cannot load {what}, nothing was applied:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched),
+                             ("refused values", self.refused)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:50]) + " ..." * (len(items) > 50))
+        if missing or unexpected or mismatched:
+            lines.append("  (is this a transformer of the same family and config? `trueflow init-checkpoint` writes "
+                         "one)")
+        super().__init__("\n".join(lines))
+
+
+# -- values: what the engine would hold after the cast to its dtype ------------------------------------------
+def _largest(tensors: list[tuple[torch.Tensor, torch.dtype]]) -> list[tuple[float, float]]:
+    """For each (tensor, dtype): (largest |value| of the tensor, the same once cast to `dtype`); inf or NaN in the
+    second means the cast tensor holds one. Rounding is monotonic and min/max propagate NaN, so casting a
+    tensor's two extremes decides it for every element, with no cast copy. One reduction per tensor on its
+    device; the extremes reach the CPU in one transfer per (device, dtype): a sync per tensor would cost more
+    than the update itself on a GPU."""
+    out = [(0.0, 0.0)] * len(tensors)
+    groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for i, (t, dtype) in enumerate(tensors):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype, dtype), []).append((i, *torch.aminmax(t.detach())))
+    for (_, _, dtype), items in groups.items():
+        ends = torch.stack([e for _, lo, hi in items for e in (lo, hi)]).cpu().view(-1, 2)
+        given, cast = ends.double().abs().amax(1).tolist(), ends.to(dtype).double().abs().amax(1).tolist()
+        for (i, _, _), g, c in zip(items, given, cast):
+            out[i] = (g, c)
+    return out
+
+
+def _fits(value: float, dtype: torch.dtype) -> bool:
+    """Whether a float64 value is finite once rounded to `dtype`."""
+    return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
+
+
+def _value_problem(name: str, given: float, cast: float, dtype: torch.dtype) -> str | None:
+    """Why a tensor whose largest |value| is `given` (`cast` once cast to `dtype`) cannot be installed, or None."""
+    if math.isfinite(cast):
+        return None
+    if not math.isfinite(given):
+        return f"{name} holds {'NaN' if math.isnan(given) else 'inf'}"
+    return f"{name} holds |value| {given:.4g}, inf in {_dtype_name(dtype)} (largest finite {_max(dtype):.4g})"
+
+
+def _not_float(name: str, t: torch.Tensor) -> str | None:
+    return None if t.is_floating_point() else f"{name} is {t.dtype}, not a floating-point tensor"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def expected_tensors(model: nn.Module, names: Names) -> dict[str, tuple[nn.Parameter, slice | None]]:
+    """diffusers tensor name -> (engine parameter, row slice of it or None) for every engine parameter."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for p_name, param in mod.named_parameters(recurse=False):
+            if isinstance(mod, Linear) and mod.packed:
+                for i in range(len(mod.splits)):
+                    out[f"{names.diffusers_module_name(mod_name, i)}.{p_name}"] = (param, mod._slot(i))
+            else:
+                out[f"{names.diffusers_module_name(mod_name)}.{p_name}"] = (param, None)
+    return out
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: Names) -> None:
+    """Copy a diffusers-format transformer state dict into the engine model (cast to the model's dtype).
+    Checks everything first, names, shapes and the values as the cast leaves them (a value finite in the file
+    but inf in bf16 is refused): on any problem nothing is copied and one error lists all problems."""
+    expected = expected_tensors(model, names)
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    mismatched, refused, to_check = [], [], []
+    for name in sorted(set(expected) & set(state_dict)):
+        param, rows = expected[name]
+        want = tuple(param[rows].shape) if rows is not None else tuple(param.shape)
+        if tuple(state_dict[name].shape) != want:
+            mismatched.append(f"{name} {tuple(state_dict[name].shape)} != expected {want}")
+        elif problem := _not_float(name, state_dict[name]):
+            refused.append(problem)
+        else:
+            to_check.append((name, state_dict[name], param.dtype))
+    ranges = _largest([(t, dtype) for _, t, dtype in to_check])
+    refused += [p for (name, _, dtype), r in zip(to_check, ranges) if (p := _value_problem(name, *r, dtype))]
+    if missing or unexpected or mismatched or refused:
+        raise WeightLoadError(missing, unexpected, mismatched, refused=refused)
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.clear_lora()  # a full-weight update replaces the base weights; adapters do not carry over
+    for name, (param, rows) in expected.items():
+        (param[rows] if rows is not None else param).copy_(state_dict[name])
+
+
+def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT/diffusers LoRA tensors -> {diffusers module name: (A, B)}. Accepts the prefixes PEFT and diffusers
+    write (`base_model.model.`, `transformer.`) and PEFT's `.default` adapter infix."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    bad = []
+    for key, t in state_dict.items():
+        m = re.match(r"^(?:base_model\.model\.|transformer\.)?(.+)\.lora_([AB])(?:\.default)?\.weight$", key)
+        if not m:
+            bad.append(key)
+            continue
+        pairs.setdefault(m.group(1), {})[m.group(2)] = t
+    incomplete = sorted(k for k, v in pairs.items() if set(v) != {"A", "B"})
+    if bad or incomplete:
+        raise WeightLoadError([f"{k}.lora_[AB].weight" for k in incomplete], bad, [], what="LoRA")
+    return {k: (v["A"], v["B"]) for k, v in pairs.items()}
+
+
+@torch.no_grad()
+def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool,
+             names: Names) -> None:
+    """Install a LoRA (diffusers module name -> (A, B)) on the engine, replacing any previous one. Validated
+    first, applied only if valid, so a bad update leaves the previous weights in place.
+
+    Values are judged as the engine would hold them, in its dtype: A, B and the scale must be finite once cast,
+    and so must scale·B (what an engine that folds the scale into B holds) and a bound of W + scale·B·A (the
+    merged weight; checked in both merge modes, so that the mode never decides whether an update is taken)."""
+    modules = dict(model.named_modules())
+    unexpected, mismatched, refused = [], [], []
+    floats: list[tuple[str, Linear, int, torch.Tensor, torch.Tensor, bool]] = []  # name, layer, slot, A, B, shaped
+    for name, (A, B) in lora.items():
+        engine_name, slot = names.map_module_name(name)
+        layer = modules.get(engine_name)
+        if not isinstance(layer, Linear):
+            unexpected.append(name)
+            continue
+        slot = slot or 0
+        rank = A.shape[0] if A.ndim == 2 else B.shape[1] if B.ndim == 2 else "rank"
+        shapes = [f"{name}.lora_{ab}.weight {tuple(t.shape)} != expected ({rows}, {cols})"
+                  for t, ab, (rows, cols) in ((A, "A", (rank, layer.in_features)), (B, "B", (layer.splits[slot], rank)))
+                  if tuple(t.shape) != (rows, cols)]
+        mismatched += shapes
+        not_float = [p for t, ab in ((A, "A"), (B, "B")) if (p := _not_float(f"{name}.lora_{ab}.weight", t))]
+        refused += not_float
+        if not not_float:
+            floats.append((name, layer, slot, A, B, not shapes))
+    # One batch of reductions: each A and B, and the base rows the adapter merges into.
+    ranges = _largest([(t, layer.weight.dtype) for _, layer, slot, A, B, _ in floats
+                       for t in (A, B, _base(layer)[layer._slot(slot)])])
+    scale_problem = _scale_problem(scale, {m.weight.dtype for m in modules.values() if isinstance(m, Linear)})
+    refused += [scale_problem] if scale_problem else []
+    per_layer: dict[str, list] = {}
+    for i, (name, layer, slot, A, B, shaped) in enumerate(floats):
+        dtype = layer.weight.dtype
+        (given_a, a), (given_b, b), (_, w) = ranges[3 * i:3 * i + 3]
+        values = [p for ab, given, cast in (("A", given_a, a), ("B", given_b, b))
+                  if (p := _value_problem(f"{name}.lora_{ab}.weight", given, cast, dtype))]
+        refused += values
+        if shaped and not values and not scale_problem:
+            refused += [p] if (p := _product_problem(name, dtype, float(scale), a, b, w, A.shape[0])) else []
+        per_layer.setdefault(names.map_module_name(name)[0], [None] * len(layer.splits))[slot] = (name, A, B)
+    if unexpected or mismatched or refused:
+        raise WeightLoadError([], unexpected, mismatched, what="LoRA", refused=refused)
+    # Cast copies first, so that nothing is installed unless every copy was made.
+    adapters = {n: [None if s is None else _adapter(modules[n], s[1], s[2], float(scale)) for s in slots]
+                for n, slots in per_layer.items()}
+    for name, mod in modules.items():
+        if isinstance(mod, Linear):
+            if name in adapters:
+                mod.set_lora(adapters[name], merge=merge)
+            else:
+                mod.clear_lora()
+
+
+def _adapter(layer: Linear, A: torch.Tensor, B: torch.Tensor, scale: float) -> LoraAdapter:
+    w = layer.weight
+    return LoraAdapter(A.to(w.device, w.dtype, copy=True), B.to(w.device, w.dtype, copy=True), scale)
+
+
+def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        return f"scale must be a number, got {type(scale).__name__}"
+    for dtype in dtypes:
+        if not _fits(float(scale), dtype):
+            return f"scale {float(scale):.4g} is not finite in {_dtype_name(dtype)} (largest finite {_max(dtype):.4g})"
+    return None
+
+
+def _base(layer: Linear) -> torch.Tensor:
+    """The layer's weight without any merged LoRA: what a new LoRA merges into."""
+    return layer.base_weight if layer.merged else layer.weight
+
+
+def _product_problem(name: str, dtype: torch.dtype, scale: float, a: float, b: float, w: float,
+                     rank: int) -> str | None:
+    """Why scale·B or W + scale·B·A may not be finite in `dtype`, from the largest |value| of the cast A (`a`),
+    B (`b`) and base rows (`w`), or None. The merged test is the bound |W| + |scale|·rank·max|B|·max|A| of every
+    merged entry, no product formed: an accepted update never merges to inf, in either mode, and one refused by
+    the bound but finite once merged would need entries within a factor `rank` of the dtype's range."""
+    largest_finite = _max(dtype)
+    if not _fits(abs(scale) * b, dtype):
+        return (f"{name}.lora_B.weight × scale {scale:.4g} reaches {abs(scale) * b:.4g}, inf in "
+                f"{_dtype_name(dtype)} (largest finite {largest_finite:.4g})")
+    bound = w + abs(scale) * rank * a * b
+    if not bound <= largest_finite * (1 - 1e-3):  # the margin covers fp32 rounding in the merge's sums
+        return (f"{name}: the merged weight W + scale·B·A may reach {bound:.4g} (|W| + |scale|·rank·max|B|·"
+                f"max|A|), beyond {_dtype_name(dtype)}'s largest finite {largest_finite:.4g}")
+    return None
