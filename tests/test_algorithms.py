@@ -197,7 +197,8 @@ def test_a_decaying_schedule_refuses_a_longer_resume():
 
 # -- EMA of the LoRA ---------------------------------------------------------------------------------------------
 def test_ema_of_a_constant_update_is_the_closed_form():
-    """e_k = d·e_{k−1} + (1 − d)·θ_k from e_0 = θ_0 with θ_k = θ_0 + k·u: e_k = θ_0 + u·(k − d(1 − d^k)/(1 − d))."""
+    """e_k = d·e_{k−1} + (1 − d)·θ_k from e_0 = θ_0 with θ_k = θ_0 + k·u:
+    e_k = θ_0 + u·(k − d(1 − d^k)/(1 − d))."""
     d, k = 0.9, 7
     theta = {"w": torch.nn.Parameter(torch.tensor([1.0, -2.0]))}
     u = torch.tensor([0.5, 0.25])

@@ -103,7 +103,8 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device):
     if cfg.engine_process:
         from ..sync.engine_process import EngineClient
 
-        reward = (cfg.reward, cfg.reward_model, str(device), cfg.reward_url) if cfg.reward_placement == "engine" else None
+        reward = ((cfg.reward, cfg.reward_model, str(device), cfg.reward_url) if cfg.reward_placement == "engine"
+                  else None)
         return EngineClient(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), str(device), dtype,
                             threads=torch.get_num_threads(), reward=reward)
     from ..engine.engine import Engine
