@@ -276,3 +276,32 @@ def test_a_failing_reward_in_the_engine_process_is_one_line(tmp_path, tiny_check
 def test_cudnn_attention_is_refused_on_cpu_before_loading():
     with pytest.raises(ValueError, match="_native_cudnn needs a CUDA device"):
         TrainConfig(fsdp_attention_backend="_native_cudnn").validate()
+
+
+def test_tensorboard_events_hold_the_step_scalars(tmp_path):
+    """The `tensorboard` extra: `--tensorboard` writes each record's numbers as scalars, at the record's step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trueflow.train.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb")
+    for step in (1, 2):
+        writer.write({"step": step, "loss": 0.5 * step, "model_output_max_abs_diff": None})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 1.0)]
+    assert "model_output_max_abs_diff" not in events.Tags()["scalars"]  # null is not charted as a number
+
+
+def test_the_cudnn_backend_pairs_the_engine_group():
+    """Condition 5: plain qwen_image follows the train side's attention backend where the engine has its kernel."""
+    cudnn = TrainConfig(fsdp_attention_backend="_native_cudnn")
+    assert cudnn.engine_patch_group() == "qwen_image:_native_cudnn"
+    assert not [w for w in cudnn.parity_warnings() if "condition 5" in w]
+    math_backend = TrainConfig(fsdp_attention_backend="_native_math")
+    assert math_backend.engine_patch_group() == "qwen_image"
+    assert [w for w in math_backend.parity_warnings() if "condition 5" in w]
+    mismatched = TrainConfig(rollout_patch_group="qwen_image:_native_cudnn")
+    assert [w for w in mismatched.parity_warnings() if "condition 5" in w]
