@@ -1,0 +1,646 @@
+"""One whole GRPO step on one GPU: `trueflow train` against a flow_grpo-style loop on diffusers + PEFT, same work.
+
+    python benchmarks/grpo_step.py --out grpo_step.json [--resolution 512|1024] [--rollouts 3] [--size full|tiny]
+
+Recipe (flow-GRPO-like, both loops): the full-size Qwen-Image transformer (seeded random bf16 weights, in a
+checkpoint folder written as `scripts/aligned_run.py` writes it), `--prompts` prompts per step x a group of 8
+samples, 10 steps with a 2-step SDE window (noise level 1.2), true CFG 4 (two branch forwards), LoRA rank 64 on the
+12 attention + MLP targets, a PickScore reward on a random CLIP of ViT-H/14's size (vision 1280 wide x 32 layers,
+text 1024 x 24, projection 1024, fp32; written in the PickScore folder layout as `rewards/tiny_clip.py` does),
+group-normalised advantages, PPO-clip on the window's steps with CFG in training, AdamW, one optimizer step per
+rollout, gradient checkpointing, `_native_flash` attention on both sides.
+
+- `trueflow`: `trueflow.train.run.run_training` (embedded placement: engine, trainer and reward in this process;
+  patch group `qwen_image`, microgroup = micro-batch). Phase times are the run's own metrics.jsonl fields
+  (`time_rollout`, `time_reward`, `time_train`, `time_sync`); a step's wall time is the interval between two
+  metrics lines. Peak memory per phase comes from wrapping the trainer's phase methods for the run (a method
+  that is not found is listed under `trueflow_hooks_missing` and its phase's peak is null).
+- `baseline`: flow_grpo's loop (github.com/yifan123/flow_grpo, scripts/train_qwenimage_edit_plus.py, the Qwen-Image
+  one): `QwenImagePipeline` components sampling with the flow-GRPO SDE step (`engine.samplers.sde_step`) inside
+  the window and the Euler step elsewhere, old log-probs from that sampling pass, the same prompts and batches,
+  PEFT `get_peft_model` (fp32 LoRA weights, PEFT's default) under `torch.autocast(bf16)` as flow_grpo runs its
+  forwards, AdamW. One model samples and trains, so it has no sync phase. Differences from flow_grpo, each for
+  the sake of the same work: the two CFG branches are two forwards (flow_grpo batches them with a padded text
+  mask, which `_native_flash` refuses; QwenImagePipeline runs two forwards), alpha = rank and trueflow's lr.
+
+Both loops run `--rollouts` steps; the first is a warm-up (CUDA graph capture, kernel selection) and is left out
+of the summary. Images/GPU/s = images per step / the step's wall time. TFLOP/s per phase = the FLOPs of the
+forwards the phase runs over its time (transformer GEMMs + attention by `rollout_vs_diffusers.step_flops`, at each
+branch's real text length; the reward's CLIP towers the same way): rollout = steps x 2 branches x samples
+forwards; train = SDE steps x 2 branches x samples x 3 (forward + backward at 2x), the recomputation of gradient
+checkpointing not counted; reward = one CLIP forward per image. Text encoding and VAE decoding (small here) are
+not counted. The loops run one after the other (both models do not fit together); the JSON is rewritten after
+every phase, so a run cut short keeps what it measured. Published peer figures are printed for context.
+
+`--size tiny` runs both loops on the CPU with the tiny transformer and a tiny CLIP (a smoke test: timings are
+meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+BF16 = torch.bfloat16
+GROUP, STEPS, SDE_STEPS, CFG, NOISE_LEVEL, LORA_RANK = 8, 10, 2, 4.0, 1.2, 64
+NEGATIVE_PROMPT = " "  # the trainer's default negative prompt, and flow_grpo's
+PHASES = ("rollout", "reward", "train", "sync")
+PROMPTS = (  # PickScore-style prompts, cycled as `trueflow train` cycles its prompt file
+    "a red fox curled up asleep in fresh snow, soft morning light",
+    "a lighthouse on a rocky coast at dusk, waves crashing below",
+    "a bowl of ripe cherries on a wooden table, studio photo",
+    "a vintage red sports car parked in front of a glass building",
+    "a watercolor painting of a garden full of roses and tulips",
+    "a cup of coffee with latte art next to a croissant",
+)
+PEERS = (  # published figures (other settings, real weights): context, not a like-for-like comparison
+    {"name": "verl-omni Qwen-Image FlowGRPO, LoRA", "hardware": "4x H800", "images_per_gpu_s": 0.305},
+    {"name": "verl-omni Qwen-Image FlowGRPO, full-parameter, no CFG", "hardware": "4x H200", "images_per_gpu_s": 0.51},
+)
+VIT_H14 = {  # CLIP ViT-H/14 (PickScore_v1's architecture)
+    "text_config": {"vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                    "num_attention_heads": 16, "max_position_embeddings": 77, "hidden_act": "gelu"},
+    "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                      "num_attention_heads": 16, "image_size": 224, "patch_size": 14, "hidden_act": "gelu"},
+    "projection_dim": 1024,
+}
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line, exit 2."""
+
+
+# -- setup: checkpoint, reward model, prompts ----------------------------------------------------------------------
+def write_checkpoint(path: Path, size: str, device: str) -> Path:
+    """The pipeline folder (reused if already there), as scripts/aligned_run.py writes it: the full size is drawn
+    on the device in bf16 (40 GB), the tiny one on the CPU in fp32."""
+    if not (path / "model_index.json").is_file():
+        from trueflow.checkpoints.qwen_image import init_checkpoint
+
+        full = size == "full"
+        init_checkpoint(path, size=size, overwrite=True, dtype=BF16 if full else torch.float32,
+                        device=device if full else "cpu")
+    return path
+
+
+def write_reward_model(path: Path, size: str, device: str) -> Path:
+    """A PickScore-layout folder (CLIPModel + CLIPProcessor): the tiny random CLIP, or at full size a random CLIP of
+    ViT-H/14's size with the same processor at 224 px (fp32, as PickScore runs)."""
+    if (path / "config.json").is_file():
+        return path
+    from trueflow.rewards.tiny_clip import init_tiny_clip
+
+    if size != "full":
+        return init_tiny_clip(path)
+    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
+
+    init_tiny_clip(path, image_size=VIT_H14["vision_config"]["image_size"])  # the processor; the model is replaced
+    tokenizer = CLIPTokenizer.from_pretrained(path)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.eos_token_id}
+    config = CLIPConfig(text_config={**VIT_H14["text_config"], **ids}, vision_config=VIT_H14["vision_config"],
+                        projection_dim=VIT_H14["projection_dim"])
+    with torch.random.fork_rng(devices=[]), torch.device(device):  # drawn on the GPU: 1 B parameters
+        torch.manual_seed(0)
+        model = CLIPModel(config).eval()
+    model.save_pretrained(path)
+    return path
+
+
+def rollout_prompts(index: int, per_step: int) -> list[str]:
+    """The prompts of rollout `index`, chosen as `trueflow train` chooses them from its prompt file."""
+    return [PROMPTS[(index * per_step + i) % len(PROMPTS)] for i in range(per_step)]
+
+
+# -- FLOPs ------------------------------------------------------------------------------------------------------------
+def forward_flops(config: dict, resolution: int, batch: int, text_len: int) -> float:
+    """GEMM + attention FLOPs of one transformer forward. `rollout_vs_diffusers.step_flops` counts two forwards at
+    its module's TEXT_LEN text tokens; that constant is set to this forward's text length for the call."""
+    import rollout_vs_diffusers as rvd
+
+    saved = rvd.TEXT_LEN
+    rvd.TEXT_LEN = text_len
+    try:
+        return rvd.step_flops(config, resolution, batch) / 2
+    finally:
+        rvd.TEXT_LEN = saved
+
+
+def clip_flops(config: dict, n_images: int, text_len: int) -> float:
+    """FLOPs of scoring `n_images` (one image and one text each) with a CLIPModel: the same per-layer count as the
+    transformer's (q/k/v/out + MLP on every token, QK^T and PV), the patch embedding and both projections."""
+    v, t, proj = config["vision_config"], config["text_config"], config["projection_dim"]
+
+    def tower(c: dict, tokens: int) -> int:
+        d = c["hidden_size"]
+        return c["num_hidden_layers"] * (tokens * (4 * d * d + 2 * d * c["intermediate_size"]) + 2 * tokens**2 * d)
+
+    patches = (v["image_size"] // v["patch_size"]) ** 2
+    vision = tower(v, patches + 1) + patches * 3 * v["patch_size"] ** 2 * v["hidden_size"] + v["hidden_size"] * proj
+    text = tower(t, text_len) + t["hidden_size"] * proj
+    return 2 * n_images * (vision + text)
+
+
+class FlopCounter:
+    """The FLOPs of each phase of one step (the same work in both loops)."""
+
+    def __init__(self, args: argparse.Namespace, config: dict, clip_dir: Path, text_lens: dict[str, int]):
+        from transformers import CLIPTokenizer
+
+        self.args, self.config, self.text_lens = args, config, text_lens
+        self.clip_config = json.loads((clip_dir / "config.json").read_text())
+        self.clip_tokenizer = CLIPTokenizer.from_pretrained(clip_dir)
+
+    def step(self, prompts: list[str]) -> dict[str, float | None]:
+        res, neg = self.args.resolution, self.text_lens[NEGATIVE_PROMPT]
+        both = sum(forward_flops(self.config, res, GROUP, self.text_lens[p])
+                   + forward_flops(self.config, res, GROUP, neg) for p in prompts)
+        # PickScore's processor pads the batch's texts to the longest, at most 77 tokens.
+        clip_text = min(77, max(len(self.clip_tokenizer(p).input_ids) for p in prompts))
+        return {"rollout": STEPS * both, "reward": clip_flops(self.clip_config, GROUP * len(prompts), clip_text),
+                "train": SDE_STEPS * 3 * both, "sync": None}
+
+
+def text_lengths(pipe, device: str) -> dict[str, int]:
+    """Each prompt's (and the negative prompt's) text length as the pipeline encodes it."""
+    with torch.no_grad():
+        return {p: pipe.encode_prompt(prompt=[p], device=device)[0].shape[1] for p in (*PROMPTS, NEGATIVE_PROMPT)}
+
+
+# -- results ----------------------------------------------------------------------------------------------------------
+class Results:
+    def __init__(self, out: Path, info: dict):
+        self.out, self.info, self.rows = out, info, []
+        self.flops: FlopCounter | None = None
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        return row
+
+    def complete(self, row: dict) -> None:
+        """Derived fields of a finished step: its images/GPU/s and each phase's TFLOP/s."""
+        row["images_per_gpu_s"] = row["images"] / row["step_s"] if row.get("step_s") else None
+        flops = self.flops.step(row["prompts"]) if self.flops else {}
+        for phase in PHASES:
+            f, t = flops.get(phase), row.get(f"time_{phase}")
+            row[f"flops_{phase}"] = f
+            row[f"tflops_{phase}"] = f / t / 1e12 if f and t else None
+
+    def summary(self) -> dict:
+        out = {}
+        for loop in ("trueflow", "baseline"):
+            rows = [r for r in self.rows if r["loop"] == loop and not r["warmup"] and r.get("step_s")]
+            if not rows:
+                continue
+            s = {"measured_steps": len(rows), "images_per_step": rows[0]["images"]}
+            for key in ("step_s", *(f"time_{p}" for p in PHASES)):
+                s[key] = statistics.median(r[key] for r in rows)
+            s["images_per_gpu_s"] = s["images_per_step"] / s["step_s"]
+            for phase in PHASES:
+                values = [r[f"tflops_{phase}"] for r in rows if r.get(f"tflops_{phase}") is not None]
+                s[f"tflops_{phase}"] = statistics.median(values) if values else None
+                peaks = [r[f"peak_gib_{phase}"] for r in rows if r.get(f"peak_gib_{phase}") is not None]
+                s[f"peak_gib_{phase}"] = max(peaks) if peaks else None
+            out[loop] = s
+        if "trueflow" in out and "baseline" in out:
+            speedup = out["trueflow"]["images_per_gpu_s"] / out["baseline"]["images_per_gpu_s"]
+            out["speedup_images_per_gpu_s"] = speedup
+            out["goal_2x_met"] = speedup >= 2
+        return out
+
+    def save(self) -> None:
+        self.out.write_text(json.dumps({"info": self.info, "rows": self.rows, "summary": self.summary(),
+                                        "peers": PEERS}, indent=1))
+
+
+def peak_gib(cuda: bool) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+
+
+def reset_peak(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def free_memory(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+# -- trueflow ---------------------------------------------------------------------------------------------------------
+@contextmanager
+def trainer_hooks(cuda: bool, on_record: Callable[[dict, dict], None]) -> Iterator[dict]:
+    """For the duration of a `trueflow train` run: each phase's peak memory (reset when the phase starts, read when
+    it ends) and a callback after every metrics line with that step's peaks. Each wrapper calls the method it wraps
+    unchanged; every one is put back on exit. Yields {"hooked": [...], "missing": [...]}."""
+    from trueflow.train import metrics, trainer
+
+    peaks: dict[str, float | None] = {}
+    found: dict[str, list[str]] = {"hooked": [], "missing": []}
+    restore: list[tuple[Any, str, Any]] = []
+
+    def start(phase: str) -> Callable[[], None]:
+        return lambda: reset_peak(cuda)
+
+    def end(phase: str) -> Callable[[], None]:
+        return lambda: peaks.__setitem__(phase, peak_gib(cuda))
+
+    def wrap(owner: Any, name: str, before: Callable[[], None] | None, after: Callable[..., None] | None) -> None:
+        label = f"{getattr(owner, '__name__', owner)}.{name}"
+        original = getattr(owner, name, None)
+        if original is None:
+            found["missing"].append(label)
+            return
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if before:
+                before()
+            result = original(*args, **kwargs)
+            if after:
+                after(*args)
+            return result
+
+        setattr(owner, name, wrapper)
+        restore.append((owner, name, original))
+        found["hooked"].append(label)
+
+    def reward_start() -> None:
+        end("rollout")()
+        start("reward")()
+
+    def record_written(writer, record: dict) -> None:
+        on_record(record, dict(peaks))
+        peaks.clear()
+
+    wrap(trainer.Trainer, "_rollout_on_main", start("rollout"), None)
+    wrap(trainer, "score", reward_start, lambda *a: end("reward")())
+    wrap(trainer.Trainer, "_train_step", start("train"), lambda *a: end("train")())
+    wrap(trainer.Trainer, "_sync", start("sync"), lambda *a: end("sync")())
+    wrap(metrics.MetricsWriter, "write", None, record_written)
+    try:
+        yield found
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
+
+
+def run_trueflow(args: argparse.Namespace, ckpt: Path, clip_dir: Path, work: Path, device: str,
+                 results: Results, t_start: float) -> None:
+    from trueflow.train.config import TrainConfig
+    from trueflow.train.run import run_training
+
+    cuda = device == "cuda"
+    run_dir = work / "trueflow-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    prompt_file = work / "prompts.txt"
+    prompt_file.write_text("\n".join(PROMPTS) + "\n")
+    cfg = TrainConfig(
+        output_dir=str(run_dir), checkpoint=str(ckpt), prompts=str(prompt_file), seed=0, sample_every=0, debug=False,
+        dtype="bf16", lora_rank=LORA_RANK, gradient_checkpointing=True, fsdp_attention_backend="_native_flash",
+        num_rollouts=args.rollouts, rollout_batch_size=args.prompts, n_samples_per_prompt=GROUP,
+        rollout_microgroup_size=args.micro_batch, steps=STEPS, sampler="sde", noise_level=NOISE_LEVEL,
+        num_sde_steps=SDE_STEPS, cfg_scale=CFG, negative_prompt=NEGATIVE_PROMPT, resolution=args.resolution,
+        rollout_patch_group="qwen_image", num_steps_per_rollout=1, micro_batch_size_sample=args.micro_batch,
+        micro_batch_size_tstep=1, device=device, engine_process=False, reward="pickscore",
+        reward_model=str(clip_dir), reward_placement="trainer")
+    results.info["trueflow_config"] = cfg.to_dict()
+    last = [time.perf_counter()]
+
+    def on_record(record: dict, peaks: dict) -> None:
+        now = time.perf_counter()
+        index = record["rollout"]
+        row = results.add({
+            "loop": "trueflow", "rollout": index, "warmup": index == 0, "prompts": rollout_prompts(index, args.prompts),
+            "images": GROUP * args.prompts, "step_s": now - last[0],
+            **{f"time_{p}": record.get(f"time_{p}") for p in PHASES},
+            **{f"peak_gib_{p}": peaks.get(p) for p in PHASES},
+            "model_output_max_abs_diff": record.get("model_output_max_abs_diff"),
+            "log_prob_max_abs_diff": record.get("log_prob_max_abs_diff"),
+            "checksums_equal": record.get("checksums_equal"), "reward_mean": record.get("reward_mean")})
+        last[0] = now
+        results.complete(row)
+        results.save()
+        print(f"[{now - t_start:6.0f} s] trueflow rollout {index}: " + progress(row), flush=True)
+
+    print(f"[{time.perf_counter() - t_start:6.0f} s] trueflow: `trueflow train` API, {args.rollouts} rollouts",
+          flush=True)
+    reset_peak(cuda)
+    with trainer_hooks(cuda, on_record) as found:
+        results.info["trueflow_hooks"], results.info["trueflow_hooks_missing"] = found["hooked"], found["missing"]
+        t0 = last[0] = time.perf_counter()
+        run_training(cfg)
+    results.info["trueflow_run_s"] = time.perf_counter() - t0
+    results.info["trueflow_peak_gib"] = peak_gib(cuda)
+    results.save()
+
+
+def progress(row: dict) -> str:
+    parts = [f"{p} {row[f'time_{p}']:.2f} s" for p in PHASES if row.get(f"time_{p}") is not None]
+    return ", ".join(parts) + f"; step {row['step_s']:.2f} s, {row['images_per_gpu_s']:.3f} images/GPU/s"
+
+
+# -- baseline: flow_grpo's loop on diffusers + PEFT -----------------------------------------------------------------
+class Baseline:
+    def __init__(self, args: argparse.Namespace, ckpt: Path, clip_dir: Path, device: str):
+        from diffusers import QwenImagePipeline
+        from peft import LoraConfig, get_peft_model
+
+        from trueflow.rewards.pickscore import PickScore
+        from trueflow.train.config import DEFAULT_LORA_TARGETS, TrainConfig
+
+        self.args, self.device, self.cuda = args, device, device == "cuda"
+        pipe = QwenImagePipeline.from_pretrained(ckpt, dtype=BF16).to(device)
+        pipe.vae.to(dtype=torch.float32)  # flow_grpo decodes in fp32
+        for part in (pipe.vae, pipe.text_encoder, pipe.transformer):
+            part.requires_grad_(False)
+        pipe.transformer.enable_gradient_checkpointing()
+        pipe.transformer.set_attention_backend("_native_flash")
+        self.pipe = pipe
+        self.model = get_peft_model(pipe.transformer, LoraConfig(
+            r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian", target_modules=list(DEFAULT_LORA_TARGETS)))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        defaults = TrainConfig()
+        self.lr, self.clip_range, self.adv_clip = defaults.lr, defaults.clip_range, defaults.adv_clip_max
+        self.max_grad_norm = defaults.max_grad_norm
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=defaults.weight_decay)
+        self.reward = PickScore(str(clip_dir), device)
+        side = args.resolution // 16
+        self.grid = (side, side)
+
+    def autocast(self):
+        return torch.autocast(self.device, dtype=BF16)
+
+    def branch(self, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask) -> torch.Tensor:
+        """One forward as QwenImagePipeline calls it (timestep = t in the latent dtype / 1000)."""
+        with self.autocast():
+            return self.model(hidden_states=x, timestep=t.expand(x.shape[0]).to(x.dtype) / 1000,
+                              encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                              img_shapes=[[(1, *self.grid)]] * x.shape[0], return_dict=False)[0]
+
+    def schedule(self, image_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas, timesteps) as QwenImagePipeline.__call__ sets them."""
+        import numpy as np
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        scheduler = self.pipe.scheduler
+        mu = calculate_shift(image_seq_len, scheduler.config.get("base_image_seq_len", 256),
+                             scheduler.config.get("max_image_seq_len", 4096), scheduler.config.get("base_shift", 0.5),
+                             scheduler.config.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(scheduler, STEPS, self.device, sigmas=np.linspace(1.0, 1 / STEPS, STEPS),
+                                          mu=mu)
+        return scheduler.sigmas.to(self.device), timesteps
+
+    @torch.no_grad()
+    def sample(self, prompt: str, n: int, seed: int) -> dict:
+        """flow_grpo's pipeline_with_logprob for one microgroup: SDE steps (with log-probs) in a random window of
+        SDE_STEPS steps, Euler steps elsewhere, then the VAE decode; uint8 images on the CPU."""
+        from trueflow.engine.guidance import true_cfg
+        from trueflow.engine.samplers import ode_step, sde_step
+
+        pipe, res = self.pipe, self.args.resolution
+        embeds, mask = pipe.encode_prompt(prompt=[prompt], device=self.device, num_images_per_prompt=n)
+        neg, neg_mask = pipe.encode_prompt(prompt=[NEGATIVE_PROMPT], device=self.device, num_images_per_prompt=n)
+        generators = [torch.Generator().manual_seed(seed + k) for k in range(n)]
+        x = pipe.prepare_latents(n, pipe.transformer.config.in_channels // 4, res, res, embeds.dtype, self.device,
+                                 generators)
+        sigmas, timesteps = self.schedule(x.shape[1])
+        start = random.Random(seed).randrange(STEPS - SDE_STEPS + 1)
+        window = range(start, start + SDE_STEPS)
+        rec: dict[str, list] = {"latents": [], "next_latents": [], "log_probs": [], "steps": list(window)}
+        for i, t in enumerate(timesteps):
+            v = true_cfg(self.branch(x, t, embeds, mask), self.branch(x, t, neg, neg_mask), CFG)
+            if i in window:
+                noise = torch.randn(x.shape, device=self.device, dtype=torch.float32)
+                step = sde_step(x, v, sigmas[i], sigmas[i + 1], sigmas[1], NOISE_LEVEL, noise, x.dtype)
+                rec["latents"].append(x)
+                rec["next_latents"].append(step.x_next)
+                rec["log_probs"].append(step.log_prob)
+                x = step.x_next
+            else:
+                x = ode_step(x, v, sigmas[i], sigmas[i + 1])
+        latents = pipe._unpack_latents(x, res, res, pipe.vae_scale_factor).to(pipe.vae.dtype)
+        z = pipe.vae.config.z_dim
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, z, 1, 1, 1).to(latents)
+        image = pipe.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
+        image = pipe.image_processor.postprocess(image, output_type="pt")
+        images = (image * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu()
+        return {**rec, "embeds": embeds, "mask": mask, "neg": neg, "neg_mask": neg_mask, "sigmas": sigmas,
+                "timesteps": timesteps, "images": images}
+
+    def train(self, groups: list[dict], advantages: torch.Tensor) -> None:
+        """PPO-clip over every microgroup x window step, CFG in training (both branches with gradients), one backward
+        each, then one clipped AdamW step."""
+        from trueflow.engine.guidance import true_cfg
+        from trueflow.engine.samplers import sde_log_prob
+
+        n_terms = sum(len(g["steps"]) for g in groups)
+        for g, adv in zip(groups, advantages.split([len(g["images"]) for g in groups])):
+            adv = adv.to(self.device).clamp(-self.adv_clip, self.adv_clip)
+            sigmas = g["sigmas"]
+            for j, i in enumerate(g["steps"]):
+                x, t = g["latents"][j], g["timesteps"][i]
+                v = true_cfg(self.branch(x, t, g["embeds"], g["mask"]), self.branch(x, t, g["neg"], g["neg_mask"]), CFG)
+                log_prob, _, _ = sde_log_prob(g["next_latents"][j], x, v, sigmas[i], sigmas[i + 1], sigmas[1],
+                                              NOISE_LEVEL)
+                ratio = torch.exp(log_prob - g["log_probs"][j])
+                loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)).mean()
+                (loss / n_terms).backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, index: int, phase: Callable) -> torch.Tensor:
+        """One rollout + reward + train step (`phase(name)` times each part); returns the rewards."""
+        prompts = rollout_prompts(index, self.args.prompts)
+        mb = self.args.micro_batch
+        with phase("rollout"):
+            self.model.eval()
+            groups = [self.sample(p, mb, seed=1_000_003 * index + GROUP * k + m)
+                      for k, p in enumerate(prompts) for m in range(0, GROUP, mb)]
+        with phase("reward"):
+            images = torch.cat([g["images"] for g in groups])
+            rewards = self.reward(images, [p for p in prompts for _ in range(GROUP)]).float()
+        with phase("train"):
+            # flow_grpo's per-prompt stat tracker: (reward - group mean) / (group std + 1e-4)
+            r = rewards.view(len(prompts), GROUP)
+            advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + 1e-4)).flatten()
+            self.model.train()
+            self.train(groups, advantages)
+        return rewards
+
+
+def run_baseline(args: argparse.Namespace, ckpt: Path, clip_dir: Path, device: str, results: Results,
+                 t_start: float) -> None:
+    cuda = device == "cuda"
+    t0 = time.perf_counter()
+    baseline = Baseline(args, ckpt, clip_dir, device)
+    results.info["baseline_build_s"] = time.perf_counter() - t0
+    print(f"[{time.perf_counter() - t_start:6.0f} s] baseline: diffusers + PEFT built in "
+          f"{results.info['baseline_build_s']:.0f} s, {args.rollouts} rollouts", flush=True)
+    for index in range(args.rollouts):
+        row = results.add({"loop": "baseline", "rollout": index, "warmup": index == 0,
+                           "prompts": rollout_prompts(index, args.prompts), "images": GROUP * args.prompts,
+                           "time_sync": 0.0, "peak_gib_sync": None, "model_output_max_abs_diff": None})
+
+        @contextmanager
+        def phase(name: str) -> Iterator[None]:
+            if cuda:
+                torch.cuda.synchronize()
+            reset_peak(cuda)
+            t = time.perf_counter()
+            yield
+            if cuda:
+                torch.cuda.synchronize()
+            row[f"time_{name}"], row[f"peak_gib_{name}"] = time.perf_counter() - t, peak_gib(cuda)
+            results.save()
+
+        t = time.perf_counter()
+        rewards = baseline.step(index, phase)
+        row["step_s"] = time.perf_counter() - t
+        row["reward_mean"] = rewards.mean().item()
+        results.complete(row)
+        results.save()
+        print(f"[{time.perf_counter() - t_start:6.0f} s] baseline rollout {index}: " + progress(row), flush=True)
+    del baseline
+
+
+# -- the run ----------------------------------------------------------------------------------------------------------
+def print_table(results: Results) -> None:
+    head = (f"{'loop':9s} {'step':>4s} {'rollout s':>9s} {'reward s':>8s} {'train s':>8s} {'sync s':>7s} "
+            f"{'step s':>7s} {'img/GPU/s':>9s} {'TF/s roll':>9s} {'TF/s rew':>8s} {'TF/s train':>10s} "
+            f"{'GiB roll':>8s} {'GiB train':>9s} {'max|dv|':>8s}")
+    print("\n" + head + "\n" + "-" * len(head))
+
+    def num(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in results.rows:
+        print(f"{r['loop']:9s} {r['rollout']:>4d} {num(r.get('time_rollout'), '9.2f')} {num(r.get('time_reward'), '8.2f')}"
+              f" {num(r.get('time_train'), '8.2f')} {num(r.get('time_sync'), '7.2f')} {num(r.get('step_s'), '7.2f')}"
+              f" {num(r.get('images_per_gpu_s'), '9.3f')} {num(r.get('tflops_rollout'), '9.1f')}"
+              f" {num(r.get('tflops_reward'), '8.1f')} {num(r.get('tflops_train'), '10.1f')}"
+              f" {num(r.get('peak_gib_rollout'), '8.1f')} {num(r.get('peak_gib_train'), '9.1f')}"
+              f" {num(r.get('model_output_max_abs_diff'), '8.1g')}" + ("  (warm-up, not in the summary)"
+                                                                        if r["warmup"] else ""))
+    s = results.summary()
+    for loop in ("trueflow", "baseline"):
+        if loop in s:
+            m = s[loop]
+            print(f"{loop}: median of {m['measured_steps']} steps: {m['step_s']:.2f} s/step "
+                  f"(rollout {m['time_rollout']:.2f}, reward {m['time_reward']:.2f}, train {m['time_train']:.2f}, "
+                  f"sync {m['time_sync']:.2f}), {m['images_per_step']} images -> {m['images_per_gpu_s']:.3f} images/GPU/s")
+    if "speedup_images_per_gpu_s" in s:
+        print(f"trueflow / baseline images/GPU/s: {s['speedup_images_per_gpu_s']:.2f}x "
+              f"(goal >= 2x: {'met' if s['goal_2x_met'] else 'missed'})")
+    diffs = [r["model_output_max_abs_diff"] for r in results.rows if r["loop"] == "trueflow"]
+    if diffs:
+        print("trueflow train/rollout mismatch (model_output_max_abs_diff) at every step:", diffs)
+    print("published, for context (other settings and real weights; not like for like):")
+    for p in PEERS:
+        print(f"  {p['name']} on {p['hardware']}: {p['images_per_gpu_s']} images/GPU/s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file (rewritten after every phase)")
+    ap.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: a CPU smoke run")
+    ap.add_argument("--resolution", type=int, default=512, help="image side: 512 or 1024 (tiny: any multiple of 16)")
+    ap.add_argument("--rollouts", type=int, default=3, help="steps per loop, the first a warm-up (>= 2)")
+    ap.add_argument("--prompts", type=int, default=2, help=f"prompts per step (x a group of {GROUP} samples)")
+    ap.add_argument("--micro-batch", type=int, default=8, choices=(8, 4),
+                    help="samples per rollout microgroup = per train micro-batch (4 if 8 does not fit)")
+    ap.add_argument("--workdir", help="where the checkpoint, reward model and run go, reused if there "
+                                      "(default: a temporary folder, removed at the end)")
+    args = ap.parse_args(argv)
+    if args.rollouts < 2:
+        raise UsageError(f"--rollouts {args.rollouts}: need >= 2 (the first is a warm-up, left out)")
+    if args.prompts < 1:
+        raise UsageError(f"--prompts {args.prompts}: need >= 1")
+    if args.resolution % 16 or args.resolution < 16:
+        raise UsageError(f"--resolution {args.resolution}: must be a positive multiple of 16")
+    if args.size == "full" and args.resolution not in (512, 1024):
+        raise UsageError(f"--resolution {args.resolution}: the full-size recipe runs at 512 or 1024")
+    if args.size == "full" and not torch.cuda.is_available():
+        raise UsageError("--size full needs a CUDA GPU; use --size tiny for the CPU smoke run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        print(f"grpo_step.py: error: {e}", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    device = "cuda" if args.size == "full" else "cpu"
+    cuda = device == "cuda"
+    import diffusers
+    import peft
+    import transformers
+
+    from trueflow.checkpoints.presets import transformer_config
+
+    info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d"), "size": args.size, "gpus": 1,
+            "recipe": {"resolution": args.resolution, "steps": STEPS, "num_sde_steps": SDE_STEPS,
+                       "group": GROUP, "prompts_per_step": args.prompts, "micro_batch": args.micro_batch,
+                       "cfg_scale": CFG, "noise_level": NOISE_LEVEL, "lora_rank": LORA_RANK,
+                       "attention_backend": "_native_flash", "gradient_checkpointing": True,
+                       "reward": "pickscore (random CLIP, " + ("ViT-H/14 size)" if args.size == "full" else "tiny)")},
+            "flops_note": "transformer GEMM + attention FLOPs of the forwards each phase runs (train: x3 for "
+                          "backward, recomputation not counted); reward: the CLIP towers"}
+    results = Results(Path(args.out), info)
+    results.save()
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="grpo_step-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        t0 = time.perf_counter()
+        ckpt = write_checkpoint(work / f"checkpoint-{args.size}", args.size, device)
+        clip_dir = write_reward_model(work / f"clip-{args.size}", args.size, device)
+        info["setup_s"] = time.perf_counter() - t0
+        print(f"[{time.perf_counter() - t_start:6.0f} s] checkpoint and reward model ready in {info['setup_s']:.0f} s",
+              flush=True)
+        from diffusers import QwenImagePipeline
+
+        text_pipe = QwenImagePipeline.from_pretrained(ckpt, transformer=None, vae=None)
+        results.flops = FlopCounter(args, transformer_config(args.size), clip_dir, text_lengths(text_pipe, "cpu"))
+        info["text_lengths"] = results.flops.text_lens
+        del text_pipe
+        if cuda:
+            import rollout_vs_diffusers as rvd
+
+            info["gemm_tflops"] = rvd.gemm_ceiling_tflops()
+        run_trueflow(args, ckpt, clip_dir, work, device, results, t_start)
+        free_memory(cuda)
+        run_baseline(args, ckpt, clip_dir, device, results, t_start)
+        free_memory(cuda)
+    finally:
+        info["total_s"] = time.perf_counter() - t_start
+        results.save()
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""`benchmarks/grpo_step.py --size tiny`: the CPU smoke run of the whole-GRPO-step benchmark. Both loops (`trueflow
+train` through its Python API, and the flow_grpo-style diffusers + PEFT loop) run a warm-up and one measured step;
+the JSON holds every phase of every step, trueflow's rows are bitwise (mismatch exactly 0.0), and the FLOP count
+follows the formula of `rollout_vs_diffusers.py`'s docstring."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "grpo_step.py"
+PHASES = ("rollout", "reward", "train", "sync")
+# One intra-op thread: the tiny shapes gain nothing from two, and on a busy 2-core machine two threads spin.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "grpo_step.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--out", str(out), *args], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def tiny_forward_flops(text_len: int, batch: int, resolution: int = 64) -> int:
+    """The docstring formula of rollout_vs_diffusers.py for one forward of the tiny transformer (2 blocks, 2 heads
+    of 32, joint dim 48, 64 in / 16x4 out channels)."""
+    n, d, j, c, p = 2, 64, 48, 64, 64
+    f, s = 4 * d, (resolution // 16) ** 2
+    t = s + text_len
+    block = t * (4 * d * d + 2 * d * f) + 12 * d * d + 2 * t * t * d
+    return 2 * batch * (n * block + s * c * d + text_len * j * d + 256 * d + d * d + 2 * d * d + s * d * p)
+
+
+def test_smoke_run(tmp_path):
+    proc, result = run(tmp_path, "--resolution", "64", "--rollouts", "2", "--prompts", "1",
+                       "--workdir", str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    info, rows, summary = result["info"], result["rows"], result["summary"]
+    assert info["size"] == "tiny" and info["recipe"]["group"] == 8 and info["recipe"]["num_sde_steps"] == 2
+    assert info["trueflow_hooks_missing"] == [] and len(info["trueflow_hooks"]) == 5
+    lens = info["text_lengths"]
+    by_loop = {loop: [r for r in rows if r["loop"] == loop] for loop in ("trueflow", "baseline")}
+    for loop, loop_rows in by_loop.items():
+        assert [(r["rollout"], r["warmup"]) for r in loop_rows] == [(0, True), (1, False)], loop
+        for r in loop_rows:
+            assert r["images"] == 8 and r["step_s"] > 0 and r["images_per_gpu_s"] == r["images"] / r["step_s"]
+            assert all(isinstance(r[f"time_{p}"], float) and r[f"time_{p}"] >= 0 for p in PHASES), r
+            (prompt,) = r["prompts"]
+            both = tiny_forward_flops(lens[prompt], 8) + tiny_forward_flops(lens[" "], 8)
+            assert r["flops_rollout"] == 10 * both  # 10 steps x 2 branches x 8 samples
+            assert r["flops_train"] == 2 * 3 * both  # 2 SDE steps x (forward + backward at 2x)
+            assert r["flops_reward"] > 0 and r["flops_sync"] is None
+            for p in ("rollout", "reward", "train"):
+                assert r[f"tflops_{p}"] == r[f"flops_{p}"] / r[f"time_{p}"] / 1e12
+    for r in by_loop["trueflow"]:
+        assert r["model_output_max_abs_diff"] == 0.0 and r["checksums_equal"] is True, r
+    for r in by_loop["baseline"]:
+        assert r["time_sync"] == 0.0 and r["model_output_max_abs_diff"] is None
+    # the same prompts, so the same work, in both loops
+    assert [r["prompts"] for r in by_loop["trueflow"]] == [r["prompts"] for r in by_loop["baseline"]]
+    for loop, loop_rows in by_loop.items():
+        s = summary[loop]
+        assert s["measured_steps"] == 1 and s["step_s"] == loop_rows[1]["step_s"]  # the warm-up is left out
+        assert s["images_per_gpu_s"] == 8 / loop_rows[1]["step_s"]
+    assert summary["speedup_images_per_gpu_s"] == (summary["trueflow"]["images_per_gpu_s"]
+                                                   / summary["baseline"]["images_per_gpu_s"])
+    assert [p["images_per_gpu_s"] for p in result["peers"]] == [0.305, 0.51]
+    assert "0.305 images/GPU/s" in proc.stdout and "trueflow / baseline images/GPU/s" in proc.stdout
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    for args, needle in ((("--rollouts", "1"), "--rollouts 1"), (("--resolution", "100"), "multiple of 16")):
+        proc, result = run(tmp_path, *args)
+        assert proc.returncode == 2 and result is None, proc.stderr
+        assert needle in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
