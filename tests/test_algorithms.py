@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -260,17 +261,27 @@ def test_the_reward_url_reaches_the_reward(tmp_path, tiny_checkpoint, engine_pro
     assert row["reward_mean"] == len(url)
 
 
-def test_a_failing_reward_in_the_engine_process_is_one_line(tmp_path, tiny_checkpoint, capsys):
+@pytest.mark.parametrize("spec, says", [("test_algorithms:nan_reward", "returned nan"),
+                                         ("no_such_reward", "no_such_reward")])
+def test_a_failing_reward_in_the_engine_process_is_one_line(tmp_path, tiny_checkpoint, capsys, spec, says):
+    """A reward that fails on a rollout, or a spec that cannot be built, in the engine process: one line, exit 2."""
     from trueflow.cli import main
 
     argv = ["train", "--checkpoint", str(tiny_checkpoint), "--output-dir", str(tmp_path / "run"), "--steps", "3",
-            "--num-rollouts", "1", "--engine-process", "--reward-placement", "engine",
-            "--reward", "test_algorithms:nan_reward"]
+            "--num-rollouts", "1", "--engine-process", "--reward-placement", "engine", "--reward", spec]
     assert main(argv) == 2
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if "trueflow train: error:" in x]  # after the progress bar's last draw
-    assert line.split("trueflow train: error: ")[1].startswith("reward") and "returned nan" in line
-    assert "Traceback" not in err
+    assert says in line and "Traceback" not in err
+
+
+def test_a_rollout_whose_every_reward_is_skipped_logs_null_without_a_warning(tmp_path, tiny_checkpoint):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (row,) = train(tmp_path, tiny_checkpoint, num_rollouts=1, reward="test_algorithms:nan_reward",
+                       reward_on_error="skip", sample_every=0)
+    assert not [w for w in caught if "degrees of freedom" in str(w.message)]
+    assert row["reward_mean"] is None and row["reward_std"] is None and row["dropped_samples"] == 8
 
 
 def test_cudnn_attention_is_refused_on_cpu_before_loading():
