@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -541,6 +542,8 @@ def print_table(results: Results) -> None:
                                                                         if r["warmup"] else ""))
     s = results.summary()
     for loop in ("trueflow", "baseline"):
+        if f"{loop}_error" in results.info:
+            print(f"{loop} FAILED: {results.info[f'{loop}_error']}")
         if loop in s:
             m = s[loop]
             print(f"{loop}: median of {m['measured_steps']} steps: {m['step_s']:.2f} s/step "
@@ -617,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = write_checkpoint(work / f"checkpoint-{args.size}", args.size, device)
         clip_dir = write_reward_model(work / f"clip-{args.size}", args.size, device)
         info["setup_s"] = time.perf_counter() - t0
+        free_memory(cuda)  # the checkpoint writer's 40 GB model
         print(f"[{time.perf_counter() - t_start:6.0f} s] checkpoint and reward model ready in {info['setup_s']:.0f} s",
               flush=True)
         from diffusers import QwenImagePipeline
@@ -629,17 +633,22 @@ def main(argv: list[str] | None = None) -> int:
             import rollout_vs_diffusers as rvd
 
             info["gemm_tflops"] = rvd.gemm_ceiling_tflops()
-        run_trueflow(args, ckpt, clip_dir, work, device, results, t_start)
-        free_memory(cuda)
-        run_baseline(args, ckpt, clip_dir, device, results, t_start)
-        free_memory(cuda)
+        for loop, run in (("trueflow", lambda: run_trueflow(args, ckpt, clip_dir, work, device, results, t_start)),
+                          ("baseline", lambda: run_baseline(args, ckpt, clip_dir, device, results, t_start))):
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, and the other loop still runs
+                traceback.print_exc()
+                info[f"{loop}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                print(f"{loop} FAILED: {info[f'{loop}_error']}", flush=True)
+            free_memory(cuda)
     finally:
         info["total_s"] = time.perf_counter() - t_start
         results.save()
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     print_table(results)
-    return 0
+    return 1 if any(f"{loop}_error" in info for loop in ("trueflow", "baseline")) else 0
 
 
 if __name__ == "__main__":
