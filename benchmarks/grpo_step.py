@@ -115,7 +115,8 @@ def write_reward_model(path: Path, size: str, device: str) -> Path:
            "pad_token_id": tokenizer.eos_token_id}
     config = CLIPConfig(text_config={**VIT_H14["text_config"], **ids}, vision_config=VIT_H14["vision_config"],
                         projection_dim=VIT_H14["projection_dim"])
-    with torch.random.fork_rng(devices=[]), torch.device(device):  # drawn on the GPU: 1 B parameters
+    rng_devices = [torch.cuda.current_device()] if device == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), torch.device(device):  # drawn on the GPU: 1 B parameters
         torch.manual_seed(0)
         model = CLIPModel(config).eval()
     model.save_pretrained(path)
@@ -255,11 +256,11 @@ def trainer_hooks(cuda: bool, on_record: Callable[[dict, dict], None]) -> Iterat
     found: dict[str, list[str]] = {"hooked": [], "missing": []}
     restore: list[tuple[Any, str, Any]] = []
 
-    def start(phase: str) -> Callable[[], None]:
-        return lambda: reset_peak(cuda)
+    def begin() -> None:  # a phase starts: its peak is measured from here
+        reset_peak(cuda)
 
-    def end(phase: str) -> Callable[[], None]:
-        return lambda: peaks.__setitem__(phase, peak_gib(cuda))
+    def finish(phase: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: peaks.__setitem__(phase, peak_gib(cuda))
 
     def wrap(owner: Any, name: str, before: Callable[[], None] | None, after: Callable[..., None] | None) -> None:
         label = f"{getattr(owner, '__name__', owner)}.{name}"
@@ -274,25 +275,25 @@ def trainer_hooks(cuda: bool, on_record: Callable[[dict, dict], None]) -> Iterat
                 before()
             result = original(*args, **kwargs)
             if after:
-                after(*args)
+                after(*args, **kwargs)
             return result
 
         setattr(owner, name, wrapper)
         restore.append((owner, name, original))
         found["hooked"].append(label)
 
-    def reward_start() -> None:
-        end("rollout")()
-        start("reward")()
+    def reward_begins() -> None:
+        finish("rollout")()
+        begin()
 
-    def record_written(writer, record: dict) -> None:
-        on_record(record, dict(peaks))
+    def record_written(*args, **kwargs) -> None:  # MetricsWriter.write(self, record)
+        on_record(kwargs.get("record", args[-1]), dict(peaks))
         peaks.clear()
 
-    wrap(trainer.Trainer, "_rollout_on_main", start("rollout"), None)
-    wrap(trainer, "score", reward_start, lambda *a: end("reward")())
-    wrap(trainer.Trainer, "_train_step", start("train"), lambda *a: end("train")())
-    wrap(trainer.Trainer, "_sync", start("sync"), lambda *a: end("sync")())
+    wrap(trainer.Trainer, "_rollout_on_main", begin, None)
+    wrap(trainer, "score", reward_begins, finish("reward"))
+    wrap(trainer.Trainer, "_train_step", begin, finish("train"))
+    wrap(trainer.Trainer, "_sync", begin, finish("sync"))
     wrap(metrics.MetricsWriter, "write", None, record_written)
     try:
         yield found
@@ -523,23 +524,20 @@ def run_baseline(args: argparse.Namespace, ckpt: Path, clip_dir: Path, device: s
 
 
 # -- the run ----------------------------------------------------------------------------------------------------------
+COLUMNS = (("rollout s", "time_rollout", ".2f"), ("reward s", "time_reward", ".2f"), ("train s", "time_train", ".2f"),
+           ("sync s", "time_sync", ".2f"), ("step s", "step_s", ".2f"), ("img/GPU/s", "images_per_gpu_s", ".3f"),
+           ("TF/s roll", "tflops_rollout", ".1f"), ("TF/s rew", "tflops_reward", ".1f"),
+           ("TF/s train", "tflops_train", ".1f"), ("GiB roll", "peak_gib_rollout", ".1f"),
+           ("GiB train", "peak_gib_train", ".1f"), ("max|dv|", "model_output_max_abs_diff", ".2g"))
+
+
 def print_table(results: Results) -> None:
-    head = (f"{'loop':9s} {'step':>4s} {'rollout s':>9s} {'reward s':>8s} {'train s':>8s} {'sync s':>7s} "
-            f"{'step s':>7s} {'img/GPU/s':>9s} {'TF/s roll':>9s} {'TF/s rew':>8s} {'TF/s train':>10s} "
-            f"{'GiB roll':>8s} {'GiB train':>9s} {'max|dv|':>8s}")
+    head = f"{'loop':9s} {'step':>4s} " + " ".join(f"{name:>10s}" for name, _, _ in COLUMNS)
     print("\n" + head + "\n" + "-" * len(head))
-
-    def num(v: float | None, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
     for r in results.rows:
-        print(f"{r['loop']:9s} {r['rollout']:>4d} {num(r.get('time_rollout'), '9.2f')} {num(r.get('time_reward'), '8.2f')}"
-              f" {num(r.get('time_train'), '8.2f')} {num(r.get('time_sync'), '7.2f')} {num(r.get('step_s'), '7.2f')}"
-              f" {num(r.get('images_per_gpu_s'), '9.3f')} {num(r.get('tflops_rollout'), '9.1f')}"
-              f" {num(r.get('tflops_reward'), '8.1f')} {num(r.get('tflops_train'), '10.1f')}"
-              f" {num(r.get('peak_gib_rollout'), '8.1f')} {num(r.get('peak_gib_train'), '9.1f')}"
-              f" {num(r.get('model_output_max_abs_diff'), '8.1g')}" + ("  (warm-up, not in the summary)"
-                                                                        if r["warmup"] else ""))
+        cells = ("-" if r.get(key) is None else format(r[key], spec) for _, key, spec in COLUMNS)
+        print(f"{r['loop']:9s} {r['rollout']:>4d} " + " ".join(f"{c:>10s}" for c in cells)
+              + ("  (warm-up, not in the summary)" if r["warmup"] else ""))
     s = results.summary()
     for loop in ("trueflow", "baseline"):
         if f"{loop}_error" in results.info:
@@ -548,7 +546,8 @@ def print_table(results: Results) -> None:
             m = s[loop]
             print(f"{loop}: median of {m['measured_steps']} steps: {m['step_s']:.2f} s/step "
                   f"(rollout {m['time_rollout']:.2f}, reward {m['time_reward']:.2f}, train {m['time_train']:.2f}, "
-                  f"sync {m['time_sync']:.2f}), {m['images_per_step']} images -> {m['images_per_gpu_s']:.3f} images/GPU/s")
+                  f"sync {m['time_sync']:.2f}), {m['images_per_step']} images: {m['images_per_gpu_s']:.3f} "
+                  "images/GPU/s")
     if "speedup_images_per_gpu_s" in s:
         print(f"trueflow / baseline images/GPU/s: {s['speedup_images_per_gpu_s']:.2f}x "
               f"(goal >= 2x: {'met' if s['goal_2x_met'] else 'missed'})")
