@@ -11,17 +11,18 @@ group-normalised advantages, PPO-clip on the window's steps with CFG in training
 rollout, gradient checkpointing, `_native_flash` attention on both sides.
 
 - `trueflow`: `trueflow.train.run.run_training` (embedded placement: engine, trainer and reward in this process;
-  patch group `qwen_image`, microgroup = micro-batch). Phase times are the run's own metrics.jsonl fields
-  (`time_rollout`, `time_reward`, `time_train`, `time_sync`); a step's wall time is the interval between two
-  metrics lines. Peak memory per phase comes from wrapping the trainer's phase methods for the run (a method
-  that is not found is listed under `trueflow_hooks_missing` and its phase's peak is null).
+  or `--engine-process`), patch group `qwen_image`, microgroup = micro-batch. Phase times are the run's own
+  metrics.jsonl fields (`time_rollout`, `time_reward`, `time_train`, `time_sync`); a step's wall time is the
+  interval between two metrics lines. Peak memory per phase comes from wrapping the trainer's phase methods for
+  the run (a method that is not found is listed under `trueflow_hooks_missing` and its phase's peak is null).
 - `baseline`: flow_grpo's loop (github.com/yifan123/flow_grpo, scripts/train_qwenimage_edit_plus.py, the Qwen-Image
   one): `QwenImagePipeline` components sampling with the flow-GRPO SDE step (`engine.samplers.sde_step`) inside
   the window and the Euler step elsewhere, old log-probs from that sampling pass, the same prompts and batches,
   PEFT `get_peft_model` (fp32 LoRA weights, PEFT's default) under `torch.autocast(bf16)` as flow_grpo runs its
-  forwards, AdamW. One model samples and trains, so it has no sync phase. Differences from flow_grpo, each for
-  the sake of the same work: the two CFG branches are two forwards (flow_grpo batches them with a padded text
-  mask, which `_native_flash` refuses; QwenImagePipeline runs two forwards), alpha = rank and trueflow's lr.
+  forwards, AdamW. One model samples and trains, so it has no sync phase. Differences from flow_grpo: the two
+  CFG branches are two forwards (flow_grpo batches them with a padded text mask, which `_native_flash` refuses;
+  QwenImagePipeline runs two forwards), alpha = rank and trueflow's lr (the same work as trueflow's), and the
+  reward is scored after sampling (flow_grpo overlaps it with its next sampling batch in a thread).
 
 Both loops run `--rollouts` steps; the first is a warm-up (CUDA graph capture, kernel selection) and is left out
 of the summary. Images/GPU/s = images per step / the step's wall time. TFLOP/s per phase = the FLOPs of the
@@ -319,7 +320,7 @@ def run_trueflow(args: argparse.Namespace, ckpt: Path, clip_dir: Path, work: Pat
         rollout_microgroup_size=args.micro_batch, steps=STEPS, sampler="sde", noise_level=NOISE_LEVEL,
         num_sde_steps=SDE_STEPS, cfg_scale=CFG, negative_prompt=NEGATIVE_PROMPT, resolution=args.resolution,
         rollout_patch_group="qwen_image", num_steps_per_rollout=1, micro_batch_size_sample=args.micro_batch,
-        micro_batch_size_tstep=1, device=device, engine_process=False, reward="pickscore",
+        micro_batch_size_tstep=1, device=device, engine_process=args.engine_process, reward="pickscore",
         reward_model=str(clip_dir), reward_placement="trainer")
     results.info["trueflow_config"] = cfg.to_dict()
     last = [time.perf_counter()]
@@ -568,6 +569,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=2, help=f"prompts per step (x a group of {GROUP} samples)")
     ap.add_argument("--micro-batch", type=int, default=8, choices=(8, 4),
                     help="samples per rollout microgroup = per train micro-batch (4 if 8 does not fit)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="trueflow's engine in its own process, LoRA synced by CUDA IPC (default: embedded, one "
+                         "process); peak memory then covers the trainer's process only")
     ap.add_argument("--workdir", help="where the checkpoint, reward model and run go, reused if there "
                                       "(default: a temporary folder, removed at the end)")
     args = ap.parse_args(argv)
@@ -605,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d"), "size": args.size, "gpus": 1,
             "recipe": {"resolution": args.resolution, "steps": STEPS, "num_sde_steps": SDE_STEPS,
                        "group": GROUP, "prompts_per_step": args.prompts, "micro_batch": args.micro_batch,
+                       "trueflow_placement": "engine process" if args.engine_process else "embedded",
                        "cfg_scale": CFG, "noise_level": NOISE_LEVEL, "lora_rank": LORA_RANK,
                        "attention_backend": "_native_flash", "gradient_checkpointing": True,
                        "reward": "pickscore (random CLIP, " + ("ViT-H/14 size)" if args.size == "full" else "tiny)")},
