@@ -378,10 +378,10 @@ class Baseline:
         self.model = get_peft_model(pipe.transformer, LoraConfig(
             r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian", target_modules=list(DEFAULT_LORA_TARGETS)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        defaults = TrainConfig()
-        self.lr, self.clip_range, self.adv_clip = defaults.lr, defaults.clip_range, defaults.adv_clip_max
-        self.max_grad_norm = defaults.max_grad_norm
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=defaults.weight_decay)
+        defaults = TrainConfig()  # the trueflow run's optimizer and clipping settings
+        self.clip_range, self.adv_clip, self.max_grad_norm = (defaults.clip_range, defaults.adv_clip_max,
+                                                              defaults.max_grad_norm)
+        self.optimizer = torch.optim.AdamW(self.params, lr=defaults.lr, weight_decay=defaults.weight_decay)
         self.reward = PickScore(str(clip_dir), device)
         side = args.resolution // 16
         self.grid = (side, side)
