@@ -91,7 +91,7 @@ def write_checkpoint(path: Path, size: str, device: str) -> Path:
     """The pipeline folder (reused if already there), as scripts/aligned_run.py writes it: the full size is drawn
     on the device in bf16 (40 GB), the tiny one on the CPU in fp32."""
     if not (path / "model_index.json").is_file():
-        from trueflow.checkpoints.qwen_image import init_checkpoint
+        from trueflow.checkpoints import init_checkpoint
 
         full = size == "full"
         init_checkpoint(path, size=size, overwrite=True, dtype=BF16 if full else torch.float32,
@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     import peft
     import transformers
 
-    from trueflow.checkpoints.presets import transformer_config
+    from trueflow.models.qwen_image.presets import transformer_config
 
     info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "transformers": transformers.__version__,
             "peft": peft.__version__, "python": platform.python_version(),
