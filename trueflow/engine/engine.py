@@ -121,7 +121,7 @@ class Engine:
                     microgroups.append(mg)
                     if decode:
                         images.append(self.vae.decode(mg.latents[-1], params.height, params.width))
-        info = {"checkpoint": self.checkpoint, "patch_group": self.patch_group,
+        info = {"checkpoint": self.checkpoint, "family": self.family.name, "patch_group": self.patch_group,
                 "disabled_patches": list(self.disabled_patches),
                 "patches_applied": list(self.transformer.patches_applied),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device)}

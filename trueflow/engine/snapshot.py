@@ -15,7 +15,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from .trajectory import Rollout, model_timestep
+from ..models import get_family
+from .trajectory import Rollout
 
 FORMAT = "trueflow-snapshot/1"
 METADATA_KEY = "trueflow"  # the safetensors metadata entry holding the JSON description
@@ -24,6 +25,7 @@ METADATA_KEY = "trueflow"  # the safetensors metadata entry holding the JSON des
 def snapshot_tensors(rollout: Rollout) -> dict[str, torch.Tensor]:
     """The snapshot's tensors under their documented keys, on the CPU."""
     out: dict[str, torch.Tensor] = {}
+    model_timestep = get_family(rollout.engine["family"]).train.timestep  # what the pipeline passes the transformer
     for m, mg in enumerate(rollout.microgroups):
         if mg.records is None:
             raise ValueError("this rollout kept no step records: run it with record_snapshot=True")
