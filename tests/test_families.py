@@ -5,7 +5,7 @@ the diffusers classes and files it names; and a fake family written only in test
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ import torch
 
 import trueflow.models as registry
 from trueflow.cli import main
-from trueflow.engine.sampling_params import SamplingParams
+from trueflow.engine.sampling_params import SamplingParams, check_family_limits
 from trueflow.models import default_family, families, family_for_checkpoint, family_for_config, get_family
 
 FAKE_FAMILIES = Path(__file__).parent / "families"
@@ -61,6 +61,20 @@ def test_qwen_image_spec_matches_diffusers_and_the_trainer(tiny_checkpoint):
                                                                    train_config.MASKED_BACKEND)
     defaults = asdict(SamplingParams())
     assert {k: defaults[k] for k in fam.recipe} == dict(fam.recipe)
+
+
+def test_an_engine_checks_its_own_familys_limits():
+    """A `SamplingParams` is checked against the default family when made; an engine of a family with a coarser
+    image granule or a shorter text window refuses what the default family takes."""
+    qwen = get_family("qwen_image")
+    coarse = replace(qwen, pipeline=replace(qwen.pipeline, pixels_per_token=32, size_reason="VAE 32",
+                                            max_text_tokens=128))
+    params = SamplingParams(height=48, width=64, max_sequence_length=256)  # fine for the default family
+    check_family_limits(params, qwen)
+    with pytest.raises(ValueError, match=r"height must be a positive multiple of 32 pixels \(VAE 32\), got 48"):
+        check_family_limits(params, coarse)
+    with pytest.raises(ValueError, match=r"max_sequence_length must be in 1..128, got 256"):
+        check_family_limits(replace(params, height=64), coarse)
 
 
 # -- a family that lives only in the tests ---------------------------------------------------------------------
