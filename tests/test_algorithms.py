@@ -316,3 +316,9 @@ def test_the_cudnn_backend_pairs_the_engine_group():
     assert [w for w in math_backend.parity_warnings() if "condition 5" in w]
     mismatched = TrainConfig(rollout_patch_group="qwen_image:_native_cudnn")
     assert [w for w in mismatched.parity_warnings() if "condition 5" in w]
+
+
+def test_the_nft_recipe_loads_and_breaks_only_condition_1():
+    cfg = config_from_argv(["--config", "recipes/diffusion-nft.yaml"])
+    assert (cfg.algorithm, cfg.cfg_scale, cfg.lr_schedule, cfg.parity_on_every_step) == ("nft", 1.0, "cosine", True)
+    assert [w.split(":")[0] for w in cfg.parity_warnings()] == ["condition 1"]

@@ -225,10 +225,10 @@ class Trainer:
         before = lora_full_state(self.model)
         if not cfg.debug_skip_optimizer_step:
             self.optimizer.step()
+            self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update(self.named_params)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update(self.named_params)
         after = lora_full_state(self.model)
         update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
         n_batches = len(batches) * ctx.world
