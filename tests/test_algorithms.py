@@ -322,3 +322,39 @@ def test_the_nft_recipe_loads_and_breaks_only_condition_1():
     cfg = config_from_argv(["--config", "recipes/diffusion-nft.yaml"])
     assert (cfg.algorithm, cfg.cfg_scale, cfg.lr_schedule, cfg.parity_on_every_step) == ("nft", 1.0, "cosine", True)
     assert [w.split(":")[0] for w in cfg.parity_warnings()] == ["condition 1"]
+
+
+@pytest.mark.slow
+def test_the_kept_copy_on_two_fsdp_ranks(tiny_checkpoint, tmp_path):
+    """The kept rolled-out LoRA is swapped into FSDP2's sharded parameters on each rank: step 2's mismatch is still
+    exactly 0.0 there, while the policy moved."""
+    import os
+    import subprocess
+    import sys
+
+    from test_train import cli_flags
+    from trueflow.train.dist import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "trueflow", "train", "--checkpoint", str(tiny_checkpoint),
+           "--output-dir", str(tmp_path / "run"), "--num-rollouts", "1", "--num-steps-per-rollout", "2",
+           "--lr", "0.05", "--parity-on-every-step", *cli_flags(**{**FAST, "sample_every": 0})]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    for row in (first, second):
+        assert [row[k] for k in MISMATCH] == [0.0, 0.0, 0.0, 1.0, 0.0]
+    assert second["clip_frac"] > 0 and second["policy_log_prob_max_abs_diff"] > 0
+
+
+def test_the_reward_verb_takes_a_url(tmp_path, capsys):
+    from PIL import Image
+
+    from trueflow.cli import main
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    url = "http://127.0.0.1:9/v1"
+    assert main(["reward", "--name", "test_algorithms:url_reward", "--url", url, "--image", str(tmp_path / "x.png"),
+                 "--prompt", "p"]) == 0
+    assert float(capsys.readouterr().out) == len(url)
