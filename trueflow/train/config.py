@@ -272,7 +272,8 @@ class TrainConfig(BaseModel):
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
         if self.num_steps_per_rollout > 1:
             out.append(f"condition 1: --num-steps-per-rollout {self.num_steps_per_rollout}: only the first "
-                       "optimizer step of a rollout is on-policy; later ones train on updated weights")
+                       "optimizer step of a rollout is on-policy; later ones train on updated weights (their "
+                       "train/rollout mismatch is null unless --parity-on-every-step; policy_* shows the change)")
         if self.pad_text_to is not None:
             out.append(f"condition 3: --pad-text-to {self.pad_text_to} pads the train batch to a whole window, "
                        "not to the rollout request's width")
