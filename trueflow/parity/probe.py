@@ -159,7 +159,8 @@ class ParityProbe:
         """The whole group, then each patch switched off alone, then no group."""
         group = get_group(patch_group)
         if group is None:
-            raise ValueError(f"--ablate needs a patch group (e.g. --patch-group {next(iter(self.family.patch_groups))})")
+            example = next(iter(self.family.patch_groups))
+            raise ValueError(f"--ablate needs a patch group (e.g. --patch-group {example})")
         runs = [(patch_group, ())] + [(patch_group, (p,)) for p in group.patch_names] + [("none", ())]
         return [self.run(g, d)[0] for g, d in runs]
 

@@ -86,7 +86,8 @@ class ToyDiT2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                  num_layers: int = 2):
         super().__init__()
         dim = num_heads * head_dim
-        self.proj_in, self.txt_in, self.time_in = nn.Linear(in_channels, dim), nn.Linear(text_dim, dim), nn.Linear(1, dim)
+        self.proj_in, self.txt_in = nn.Linear(in_channels, dim), nn.Linear(text_dim, dim)
+        self.time_in = nn.Linear(1, dim)
         self.transformer_blocks = nn.ModuleList(ToyBlock(dim, num_heads) for _ in range(num_layers))
         self.proj_out = nn.Linear(dim, in_channels)
 
@@ -148,7 +149,8 @@ class ToyEngine(nn.Module):
         c = {k: config[k] for k in SIZES["tiny"]}
         self.config = c
         dim = c["num_heads"] * c["head_dim"]
-        self.proj_in, self.txt_in, self.time_in = Linear(c["in_channels"], dim), Linear(c["text_dim"], dim), Linear(1, dim)
+        self.proj_in, self.txt_in = Linear(c["in_channels"], dim), Linear(c["text_dim"], dim)
+        self.time_in = Linear(1, dim)
         self.transformer_blocks = nn.ModuleList(EngineBlock(dim, c["num_heads"]) for _ in range(c["num_layers"]))
         self.proj_out = Linear(dim, c["in_channels"])
         self.lora_merge = True
@@ -233,7 +235,8 @@ FAMILY = ModelFamily(
         build_model=build_model,
         load_weights=lambda model, state_dict: weight_map.load_weights(model, state_dict, weight_map.SAME_NAMES),
         parse_peft_state_dict=weight_map.parse_peft_state_dict,
-        set_lora=lambda model, lora, scale, merge: weight_map.set_lora(model, lora, scale, merge, weight_map.SAME_NAMES),
+        set_lora=lambda model, lora, scale, merge: weight_map.set_lora(model, lora, scale, merge,
+                                                                      weight_map.SAME_NAMES),
         map_module_name=weight_map.SAME_NAMES.map_module_name,
         diffusers_module_name=weight_map.SAME_NAMES.diffusers_module_name,
         comparable_modules=(Linear, EngineAttention, EngineFeedForward, EngineBlock),

@@ -105,7 +105,6 @@ _VAE = {
 }
 
 
-
 def template_prefix() -> str:
     """The part of the pipeline's chat template before the prompt; the pipeline drops its tokens."""
     return PROMPT_TEMPLATE.split("{}")[0]

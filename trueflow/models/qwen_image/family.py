@@ -22,7 +22,6 @@ from .transformer import (FeedForward, JointAttention, OutputNorm, QwenImageConf
                           TransformerBlock, build_model)
 
 
-
 def _load_text(root: Path, device: torch.device, dtype: torch.dtype):
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
