@@ -131,16 +131,11 @@ def rollout_prompts(index: int, per_step: int) -> list[str]:
 
 # -- FLOPs ------------------------------------------------------------------------------------------------------------
 def forward_flops(config: dict, resolution: int, batch: int, text_len: int) -> float:
-    """GEMM + attention FLOPs of one transformer forward. `rollout_vs_diffusers.step_flops` counts two forwards at
-    its module's TEXT_LEN text tokens; that constant is set to this forward's text length for the call."""
+    """GEMM + attention FLOPs of one transformer forward: half of `rollout_vs_diffusers.step_flops`, which counts the
+    two forwards of a guided step."""
     import rollout_vs_diffusers as rvd
 
-    saved = rvd.TEXT_LEN
-    rvd.TEXT_LEN = text_len
-    try:
-        return rvd.step_flops(config, resolution, batch) / 2
-    finally:
-        rvd.TEXT_LEN = saved
+    return rvd.step_flops(config, resolution, batch, text_len) / 2
 
 
 def clip_flops(config: dict, n_images: int, text_len: int) -> float:

@@ -138,12 +138,13 @@ def whole_step_graph(step: Callable[[], tuple]) -> Callable[[], tuple]:
 
 
 # -- measuring -------------------------------------------------------------------------------------------------------
-def step_flops(config: dict, resolution: int, batch: int) -> float:
-    """GEMM + attention FLOPs of one guided step (two forwards); the formula is in the module docstring."""
+def step_flops(config: dict, resolution: int, batch: int, text_len: int = TEXT_LEN) -> float:
+    """GEMM + attention FLOPs of one guided step (two forwards at `text_len` text tokens); the formula is in the
+    module docstring."""
     d = config["num_attention_heads"] * config["attention_head_dim"]
     f, j, c = 4 * d, config["joint_attention_dim"], config["in_channels"]
     p = config["patch_size"] ** 2 * config["out_channels"]
-    s, L = (resolution // PIXELS_PER_TOKEN) ** 2, TEXT_LEN
+    s, L = (resolution // PIXELS_PER_TOKEN) ** 2, text_len
     t = s + L
     block = t * (4 * d * d + 2 * d * f) + 12 * d * d + 2 * t * t * d
     macs = config["num_layers"] * block + s * c * d + L * j * d + 256 * d + d * d + 2 * d * d + s * d * p
