@@ -1,7 +1,8 @@
 """Shared fixtures and helpers: one tiny checkpoint per session, bitwise assertions, forwards of both sides.
 
 Every parity assertion in these tests is `torch.equal` (bits), and every positive test shows its failing side
-too. DESIGN 3 condition 9: on CPU both sides must run with the same intra-op thread count, so the count is
+too. On CPU both sides must run with the same intra-op thread count (parity condition 9, docs/patch-group.md),
+so the count is
 pinned once here, for the whole session, before any test runs.
 """
 
@@ -97,7 +98,7 @@ def train_forward(probe) -> torch.Tensor:
 
 
 class LoraMasters:
-    """fp32 master copies of a PEFT model's LoRA parameters (DESIGN 3b): a stand-in optimizer step adds seeded
+    """fp32 master copies of a PEFT model's LoRA parameters (docs/precision.md): a stand-in optimizer step adds seeded
     noise to the masters and writes the rounded values into the model's bf16 compute copies, in place."""
 
     def __init__(self, model: torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Each condition of bitwise parity (DESIGN 3) broken in turn, at the level of one train step: its warning
+"""Each condition of bitwise parity (docs/patch-group.md) broken in turn, at the level of one train step: its warning
 appears, and the diff is non-zero wherever this CPU can show one."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_micro_batch_of_mixed_prompt_lengths(tmp_path, tiny_checkpoint):
         broken_run(tmp_path, tiny_checkpoint, "condition 4", prompts=str(prompts), micro_batch_size_sample=8)
     # No diff to show here: on this CPU the masked kernel gives the short prompt's rows the very bits of the
     # unpadded ones, and the tiny GEMMs are batch-invariant. The warnings are the guarantee (on an H200 the
-    # mask alone moved outputs by 1.6e-2, DESIGN 3).
+    # mask alone moved outputs by 1.6e-2).
 
 
 def test_whole_window_padding(tmp_path, tiny_checkpoint):

@@ -4,7 +4,7 @@ inputs; and for each rounding patch, the engine's fast (unpatched) op on the sam
 Kernel-selection patches (contiguous_split, unpacked_qkv, attention_kernel): only contiguous_split has a CPU
 difference to show (a strided slice runs another GEMM at batch > 1). Packed vs separate q/k/v GEMMs and the
 flash kernel vs PyTorch's own SDPA choice are bitwise equal on this CPU, so for those two only the equality side
-is tested (their differences are GPU kernel choices: DESIGN 3).
+is tested (their differences are GPU kernel choices: docs/patch-group.md).
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def test_unpacked_linear_equals_three_linears(shape):
     assert len(outs) == 3
     for name, o, r in zip("qkv", outs, refs):
         assert_bitwise(o, r, f"unpacked {name}")
-    # The bias stays inside the GEMM call: DESIGN 4 says F.linear(x, W) + b is not F.linear(x, W, b). (The packed
+    # The bias stays inside the GEMM call: F.linear(x, W) + b does not round as F.linear(x, W, b) does. (The packed
     # single GEMM itself is bitwise equal to three GEMMs on this CPU, so there is no CPU control for that patch.)
     plain = Linear(d, d).to(BF16)
     with torch.no_grad():

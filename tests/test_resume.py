@@ -36,7 +36,7 @@ def _cmd(checkpoint, out, *extra, prefix=("-m", "trueflow")):
 
 
 def _env():
-    # One thread in every run, so the runs compare bit for bit (DESIGN 3 condition 9).
+    # One thread in every run, so the runs compare bit for bit (parity condition 9 of docs/patch-group.md).
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

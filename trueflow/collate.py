@@ -1,4 +1,4 @@
-"""The text collate rule shared by the rollout engine and the trainer (DESIGN 3, conditions 2 and 3).
+"""The text collate rule shared by the rollout engine and the trainer (parity conditions 2 and 3, docs/patch-group.md).
 
 Both sides pad a batch's prompt embeddings the same way, so a train micro-batch equal to a rollout
 microgroup has the very widths and mask the engine ran with:
@@ -37,7 +37,8 @@ def collate_text(
 
 
 def warn_if_masked(mask: torch.Tensor | None, parity: bool, cause: str) -> None:
-    """In parity mode, warn that a non-trivial text mask makes parity not bitwise (DESIGN 3, condition 2).
+    """In parity mode, warn that a non-trivial text mask makes parity not bitwise (parity condition 2,
+    docs/patch-group.md).
 
     A mask takes the train side off its pinned `_native_flash` kernel (which refuses masks) onto a masked one,
     so its outputs can no longer equal the rollout's bit for bit. `cause` names why the batch has a mask,
@@ -45,5 +46,6 @@ def warn_if_masked(mask: torch.Tensor | None, parity: bool, cause: str) -> None:
     """
     if parity and mask is not None:
         warnings.warn(f"text mask is not all true ({cause}): attention runs a masked kernel, so parity is not "
-                      "bitwise (DESIGN 3, condition 2). Keep one prompt per batch (micro-batch == rollout "
+                      "bitwise (parity condition 2, docs/patch-group.md). Keep one prompt per batch (micro-batch == "
+                      "rollout "
                       "microgroup, DP split contiguous) for bitwise parity.", stacklevel=2)

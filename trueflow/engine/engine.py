@@ -102,7 +102,8 @@ class Engine:
         size = params.rollout_microgroup_size or n_per_prompt
         if n_per_prompt < 1 or n_per_prompt % size:
             raise ValueError(f"n_per_prompt={n_per_prompt} must be a positive multiple of rollout_microgroup_size="
-                             f"{size}: every microgroup has the train micro-batch's size (DESIGN 3, condition 4)")
+                             f"{size}: every microgroup has the train micro-batch's size (parity condition 4, "
+                             f"docs/patch-group.md)")
         pipe = self.family.pipeline
         check_family_limits(params, self.family)
         grid = pipe.latent_grid(params.height, params.width)

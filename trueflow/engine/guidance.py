@@ -13,7 +13,8 @@ def true_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> to
     rounds separately; `s·pos + (1−s)·neg` or fp32 norms would round differently. `scale` stays a python float,
     as in the pipeline (a tensor scale would change type promotion). The one change: the guided norm is clamped
     at 1e-12, so a zero guided vector gives 0 rather than NaN; for any non-zero norm the bits are the pipeline's.
-    The two branches must come from two separate forwards, never one concatenated batch (DESIGN 4).
+    The two branches must come from two separate forwards, never one concatenated batch: a batch of both
+    branches runs GEMMs of another shape, which rounds bf16 differently on a GPU.
     """
     guided = negative + scale * (positive - negative)
     positive_norm = torch.norm(positive, dim=-1, keepdim=True)

@@ -212,7 +212,8 @@ def draw_sde_window(
     range of step indices as in flow-GRPO's `sde_window_range`: its start is uniform over
     `lo .. hi - num_sde_steps` (inclusive). The default `(0, num_steps)` lets the start be anything in
     `0 .. num_steps - num_sde_steps`. All other steps run the ODE. One draw from `generator` (a CPU
-    generator keeps the draw device-independent); the engine draws once per microgroup (DESIGN 3.8).
+    generator keeps the draw device-independent); the engine draws once per microgroup (parity
+    condition 8, docs/patch-group.md).
 
     Returns the window's step indices, sorted.
     """

@@ -1,6 +1,7 @@
 """What a rollout returns: per-microgroup trajectories, recorded exactly as the engine ran them.
 
-The trainer re-scores from these records and nothing else (DESIGN 3, conditions 7 and 8): the same prompt
+The trainer re-scores from these records and nothing else (parity conditions 7 and 8,
+docs/patch-group.md): the same prompt
 embeddings and masks, the same batch (one microgroup), the same latents and timesteps, in the same order
 (`trueflow.train.batch.assemble` cuts its micro-batches from them).
 """

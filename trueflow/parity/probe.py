@@ -76,7 +76,7 @@ class ParityProbe:
         if s.resolution % granule:
             raise ValueError(f"--resolution {s.resolution} must be a multiple of {granule} pixels")
         dtype, device = s.torch_dtype(), torch.device(s.device)
-        # The train side runs on its compute copy: fp32 values cast once to the compute dtype (DESIGN 3b).
+        # The train side runs on its compute copy: fp32 values cast once to the compute dtype (docs/precision.md).
         if s.checkpoint is not None:
             self.config = loading.read_transformer_config(s.checkpoint)
             self.state_dict = loading.read_transformer_state_dict(s.checkpoint)

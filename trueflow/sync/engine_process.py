@@ -42,7 +42,7 @@ def to_cpu(obj):
 
 
 def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, replies) -> None:
-    # DESIGN 3 condition 9: on CPU the engine must use the trainer's intra-op thread count.
+    # On CPU the engine must use the trainer's intra-op thread count (parity condition 9, docs/patch-group.md).
     torch.set_num_threads(threads)
     try:
         from ..engine.engine import Engine

@@ -1,6 +1,6 @@
 """The train-side reference model: diffusers' QwenImageTransformer2DModel, LoRA through PEFT.
 
-Precision contract (DESIGN 3b, docs/precision.md): fp32 master weights (LoRA included) that the optimizer
+Precision contract (docs/precision.md): fp32 master weights (LoRA included) that the optimizer
 updates, and bf16 *compute copies* that run the forward without autocast. The rollout engine receives exactly
 the compute copies' values.
 """
@@ -85,7 +85,8 @@ def train_forward(
     if encoder_hidden_states_mask is not None and backend == PARITY_BACKEND:
         warnings.warn("train forward got a non-trivial text mask: falling back from `_native_flash` to the masked "
                       f"`{MASKED_BACKEND}` backend; the kernel differs from the rollout's, so parity is not bitwise "
-                      "(DESIGN 3, condition 2: mixed prompt lengths in one micro-batch)", stacklevel=2)
+                      "(parity condition 2, docs/patch-group.md: mixed prompt lengths in one micro-batch)",
+                      stacklevel=2)
         backend = MASKED_BACKEND
     shapes = [(1, img_shape[0], img_shape[1])] * hidden_states.shape[0]
     # Set on the model, not as a context around this call: with gradient checkpointing the blocks run again in

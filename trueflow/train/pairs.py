@@ -1,8 +1,8 @@
 """Train pairs — (sample, denoising step) — split across data-parallel ranks and tiled into micro-batches.
 
-Nothing is shuffled (DESIGN 3, condition 8): samples keep the rollout's prompt-major order, and with the aligned
-settings (contiguous split, micro_batch_size_sample == rollout_microgroup_size, micro_batch_size_tstep == 1) a
-micro-batch is exactly one rollout microgroup at one step, the batch the engine ran.
+Nothing is shuffled (parity condition 8, docs/patch-group.md): samples keep the rollout's prompt-major order, and
+with the aligned settings (contiguous split, micro_batch_size_sample == rollout_microgroup_size,
+micro_batch_size_tstep == 1) a micro-batch is exactly one rollout microgroup at one step, the batch the engine ran.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The text encoder is transformers' `Qwen2_5_VLForConditionalGeneration` with the checkpoint's tokenizer,
 called directly. The trainer never re-encodes: it re-scores with the embeddings the engine recorded
-(DESIGN 3, condition 7), because a differently padded text-encoder batch changes bits first.
+(parity condition 7 of docs/patch-group.md), because a differently padded text-encoder batch changes bits first.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.schedulers import FlowMatchEulerDiscreteScheduler
 
-# The `scheduler/scheduler_config.json` of the released Qwen-Image checkpoint (DESIGN.md section 7).
+# The `scheduler/scheduler_config.json` of the released Qwen-Image checkpoint (as released).
 QWEN_IMAGE_SCHEDULER_CONFIG: dict = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
     "num_train_timesteps": 1000,
