@@ -46,9 +46,9 @@ from typing import Callable
 import torch
 
 from rollout_vs_diffusers import (BF16, StepInputs, cudnn_attention_error, cudnn_first, diffusers_step, engine_step,
-                                  make_inputs, step_flops, whole_step_graph)
+                                  make_inputs, step_flops, time_once, whole_step_graph)
 from trueflow import kernels
-from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward
 from trueflow.engine.weights import build_engine_transformer
 from trueflow.models.qwen_image.patches import complex_fma
@@ -114,17 +114,7 @@ class Bench:
             apply_patch_group(engine, row.group, self.args.disable_patch)
 
     def timed(self, step: Callable[[], tuple]) -> tuple[float, tuple]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = step()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end), out
-        t0 = time.perf_counter()
-        out = step()
-        return (time.perf_counter() - t0) * 1e3, out
+        return time_once(step, self.cuda)
 
     def make_step(self, row: Row, model, engines: dict, inp: StepInputs) -> Callable[[], tuple]:
         if row.name in DIFFUSERS_BACKENDS:

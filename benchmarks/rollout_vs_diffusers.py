@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trueflow import kernels
-from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward, capture
 from trueflow.engine.guidance import true_cfg
 from trueflow.engine.samplers import sde_step
@@ -164,24 +164,30 @@ def gemm_ceiling_tflops(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 * reps / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
+def time_once(step: Callable[[], tuple], cuda: bool) -> tuple[float, tuple]:
+    """Milliseconds of one step started on an idle device (CUDA events; the host clock without CUDA), and its
+    outputs."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), out
+    t0 = time.perf_counter()
+    out = step()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
 def time_steps(step: Callable[[], tuple], warmup: int, repeats: int, cuda: bool) -> tuple[list[float], tuple]:
     """Milliseconds of each of `repeats` steps (each started on an idle device), and the last step's outputs."""
     for _ in range(warmup):
         out = step()
     times = []
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        ms, out = time_once(step, cuda)
+        times.append(ms)
     return times, out
 
 
