@@ -360,7 +360,8 @@ class Baseline:
         from peft import LoraConfig, get_peft_model
 
         from trueflow.rewards.pickscore import PickScore
-        from trueflow.train.config import DEFAULT_LORA_TARGETS, TrainConfig
+        from trueflow.models import get_family
+        from trueflow.train.config import TrainConfig
 
         self.args, self.device, self.cuda = args, device, device == "cuda"
         pipe = QwenImagePipeline.from_pretrained(ckpt, dtype=BF16).to(device)
@@ -371,7 +372,7 @@ class Baseline:
         pipe.transformer.set_attention_backend("_native_flash")
         self.pipe = pipe
         self.model = get_peft_model(pipe.transformer, LoraConfig(
-            r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian", target_modules=list(DEFAULT_LORA_TARGETS)))
+            r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian", target_modules=list(get_family("qwen_image").train.lora_targets)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         defaults = TrainConfig()  # the trueflow run's optimizer and clipping settings
         self.clip_range, self.adv_clip, self.max_grad_norm = (defaults.clip_range, defaults.adv_clip_max,

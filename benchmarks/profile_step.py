@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rollout_vs_diffusers import (cudnn_first, engine_step, gemm_ceiling_tflops, make_inputs, step_flops)
-from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.weights import build_engine_transformer
 
 _CLASSES = (("attention", ("flash", "fmha", "cudnn", "sdpa")),

@@ -36,13 +36,13 @@ from collections import deque
 import torch
 import torch.multiprocessing as mp
 
-from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.weights import lora_state, update_lora
 from trueflow.models.qwen_image.transformer import build_model
 from trueflow.models.qwen_image.weights import _expected_tensors
 from trueflow.sync.buckets import Bucket, pack, unpack
 from trueflow.sync.checksum import tensors_checksum
-from trueflow.train.config import DEFAULT_LORA_TARGETS
+from trueflow.models.qwen_image.family import FAMILY
 
 BF16 = torch.bfloat16
 GB = 1e9
@@ -193,7 +193,7 @@ def random_lora(config: dict, rank: int, device: str) -> dict[str, torch.Tensor]
 
     out = {}
     for name, mod in meta.named_modules():
-        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in DEFAULT_LORA_TARGETS):
+        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in FAMILY.train.lora_targets):
             out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = randn(rank, mod.in_features), randn(
                 mod.out_features, rank)
     return out

@@ -35,7 +35,7 @@ def main() -> int:
     if not (ckpt / "model_index.json").is_file():
         import torch
 
-        from trueflow.checkpoints.qwen_image import init_checkpoint
+        from trueflow.checkpoints import init_checkpoint
 
         # The full size is drawn on the device in bf16 (40 GB); the tiny one on the CPU in fp32.
         init_checkpoint(ckpt, size=a.size, overwrite=True, dtype=torch.bfloat16 if a.size == "full" else torch.float32,

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from trueflow.checkpoints.qwen_image import init_checkpoint
+from trueflow.checkpoints import init_checkpoint
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.parity.report import format_ablation
 

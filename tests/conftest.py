@@ -27,7 +27,7 @@ TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console sc
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ONE tiny Qwen-Image pipeline folder (seed 0), written once and shared read-only by every test."""
-    from trueflow.checkpoints.qwen_image import init_checkpoint
+    from trueflow.checkpoints import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
@@ -40,9 +40,9 @@ def copy_transformer(checkpoint: Path, dst: Path) -> Path:
 
 def write_transformer_checkpoint(dst: Path, config: dict, seed: int = 0) -> Path:
     """A checkpoint folder holding only transformer/ (diffusers' save_pretrained of a seeded random model)."""
-    from trueflow.checkpoints.presets import build_transformer
+    from trueflow.models import family_for_config
 
-    build_transformer(config, seed=seed).save_pretrained(dst / "transformer", safe_serialization=True)
+    family_for_config(config).presets.build_transformer(config, seed=seed).save_pretrained(dst / "transformer", safe_serialization=True)
     return dst
 
 
@@ -92,7 +92,7 @@ def train_forward(probe) -> torch.Tensor:
     from trueflow.train import model as train_model
 
     i = probe.inputs
-    return train_model.train_forward(probe.train, i["hidden_states"], i["encoder_hidden_states"],
+    return train_model.train_forward(probe.family, probe.train, i["hidden_states"], i["encoder_hidden_states"],
                                      pipeline_timestep(i["timestep"], probe.spec.torch_dtype()), i["img_shape"],
                                      backend=probe.train_backend)
 

@@ -84,7 +84,7 @@ def test_micro_batch_unlike_the_microgroup_differs_at_real_width():
     with torch.no_grad():
         rollout = engine(i["hidden_states"], i["encoder_hidden_states"], i["timestep"], i["img_shape"])
         ts = model_timestep(i["timestep"], torch.bfloat16)
-        singles = [train_forward(probe.train, i["hidden_states"][s:s + 1], i["encoder_hidden_states"][s:s + 1],
+        singles = [train_forward(probe.family, probe.train, i["hidden_states"][s:s + 1], i["encoder_hidden_states"][s:s + 1],
                                  ts[s:s + 1], i["img_shape"]) for s in range(4)]
     assert torch.equal(rollout, probe.train_output)  # micro-batch == microgroup: bitwise
     assert not torch.equal(rollout, torch.cat(singles))  # four micro-batches of 1: not

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import BF16, assert_bitwise, randn
-from trueflow.checkpoints.presets import build_transformer, transformer_config
+from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward, LoraState
 from trueflow.engine.weights import build_engine_transformer, update_lora
 from trueflow.models.qwen_image.weights import load_weights

@@ -43,10 +43,8 @@ def test_family_comes_from_model_index(tiny_checkpoint, tmp_path):
     assert family_for_config(config).train.transformer_class == config["_class_name"]
 
 
-def test_qwen_image_spec_matches_diffusers_and_the_trainer(tiny_checkpoint):
+def test_qwen_image_spec_matches_diffusers(tiny_checkpoint):
     from peft.tuners.tuners_utils import check_target_module_exists
-
-    from trueflow.train import config as train_config
 
     fam = get_family("qwen_image")
     train = fam.train.model_class().from_pretrained(tiny_checkpoint, subfolder="transformer")
@@ -55,10 +53,6 @@ def test_qwen_image_spec_matches_diffusers_and_the_trainer(tiny_checkpoint):
         assert any(check_target_module_exists(type("C", (), {"target_modules": [target]})(), n) for n in names), target
     for unit in fam.train.shard_units + fam.blocks:
         assert isinstance(getattr(train, unit), torch.nn.ModuleList) and len(getattr(train, unit)) > 0
-    # Phase 1: the trainer still holds its own copies of these; G1 phase 2 reads them from the family.
-    assert fam.train.lora_targets == train_config.DEFAULT_LORA_TARGETS
-    assert (fam.train.parity_backend, fam.train.masked_backend) == (train_config.PARITY_BACKEND,
-                                                                   train_config.MASKED_BACKEND)
     defaults = asdict(SamplingParams())
     assert {k: defaults[k] for k in fam.recipe} == dict(fam.recipe)
 

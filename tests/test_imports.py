@@ -27,10 +27,6 @@ DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qw
 # A family's train side in its folder: diffusers' reference model built from a preset, and the checkpoint writer.
 # The engine never imports them (the closure test), only the family spec's functions do, when called.
 TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py"}
-# Phase-1 aliases at the old homes of moved family code, importing the family until their users (trueflow/train,
-# the tests' conftest, scripts, benchmarks) import the new homes; G1 phase 2 removes them (and this list).
-FAMILY_IMPORT_EXCEPTIONS = {"trueflow/checkpoints/qwen_image.py", "trueflow/checkpoints/presets.py",
-                            "trueflow/engine/schedule.py"}
 NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
                "trueflow/models/qwen_image/patches.py", "trueflow/models/qwen_image/latents.py",
                "trueflow/models/qwen_image/train.py", "trueflow/models/weight_map.py", *sorted(
@@ -175,11 +171,8 @@ def _family_of(rel: str) -> str | None:
 
 def test_no_module_outside_a_family_imports_it():
     assert FAMILIES and "qwen_image" in FAMILIES
-    bad = [b for rel in _py_files("trueflow") if rel not in FAMILY_IMPORT_EXCEPTIONS
-           for b in _family_imports(rel) if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
+    bad = [b for rel in _py_files("trueflow") for b in _family_imports(rel) if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
     assert not bad, "\n".join(bad)
-    for rel in FAMILY_IMPORT_EXCEPTIONS:  # each exception is still needed (else shrink the list)
-        assert _family_imports(rel), rel
 
 
 def test_family_import_check_sees_every_form(tmp_path, monkeypatch):

@@ -78,6 +78,7 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
 
     from trueflow.parity.probe import make_inputs
     from trueflow.train.checkpoint import latest_checkpoint, load_checkpoint
+    from trueflow.models import get_family
     from trueflow.train.model import train_forward
     from trueflow.engine.trajectory import model_timestep
     from trueflow.engine.weights import load_engine_transformer, update_lora
@@ -86,13 +87,14 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
     ckpt = latest_checkpoint(out)
     assert ckpt.name == "step-000003"
     pipe = QwenImagePipeline.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16)
+    qwen = get_family("qwen_image")
     inputs = make_inputs(pipe.transformer.config, 4, 7, 64, torch.bfloat16, 0, "cpu")
     ts = model_timestep(inputs["timestep"], torch.bfloat16)
     with torch.no_grad():
-        base = train_forward(pipe.transformer, inputs["hidden_states"], inputs["encoder_hidden_states"], ts,
+        base = train_forward(qwen, pipe.transformer, inputs["hidden_states"], inputs["encoder_hidden_states"], ts,
                              inputs["img_shape"])
         pipe.load_lora_weights(ckpt)
-        trained = train_forward(pipe.transformer, inputs["hidden_states"], inputs["encoder_hidden_states"], ts,
+        trained = train_forward(qwen, pipe.transformer, inputs["hidden_states"], inputs["encoder_hidden_states"], ts,
                                 inputs["img_shape"])
     engine = load_engine_transformer(tiny_checkpoint, patch_group="qwen_image")
     lora, _, _ = load_checkpoint(ckpt)

@@ -169,7 +169,7 @@ def fake_checkpoint(root: Path, step: int, cfg: TrainConfig) -> Path:
     lora = {"blocks.0.lora_A.weight": torch.full((2, 3), float(step))}
     optim = {"state": {}, "param_groups": [{"lr": cfg.lr, "params": []}]}
     state = {"step": step, "rollout": step, "metrics_lines": step, "config": cfg.to_dict()}
-    return ckpt.save_checkpoint(root, step, lora, {"r": 2}, optim, state)
+    return ckpt.save_checkpoint(cfg.model_family(), root, step, lora, {"r": 2}, optim, state)
 
 
 def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
@@ -218,7 +218,7 @@ class _Opaque:
 def test_a_resume_refuses_settings_that_change_the_math(tmp_path, capsys, monkeypatch, argv, shown):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "pipe").mkdir()
-    (tmp_path / "pipe" / "model_index.json").write_text("{}")  # enough for the checks before loading
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "QwenImagePipeline"}')  # enough for the checks before loading
     run = tmp_path / "run"
     fake_checkpoint(run, 1, TrainConfig(output_dir=str(run), checkpoint=str(DEFAULT_CHECKPOINT)))
     before = digest(run)

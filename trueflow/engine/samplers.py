@@ -11,7 +11,7 @@ Conventions (shared by every function):
   model's (guided) velocity prediction; both `[B, ...]`, usually bf16.
 - `sigma`, `sigma_next`, `sigma_1` are a python float, a 0-dim tensor or a per-sample `[B]` tensor;
   they are made fp32 on the latent's device and a `[B]` tensor is viewed as `[B, 1, ..., 1]`. A python
-  float is rounded to fp32, so pass values read from the fp32 schedule (`engine.schedule`).
+  float is rounded to fp32, so pass values read from the fp32 schedule (the family's `pipeline.schedule`).
 - `sigma_next < sigma` is the caller's contract (not checked: a check would sync the device).
 - Stochastic steps compute in fp32, round the new latent once to the stored dtype, and score *the
   stored bits*: the trainer only ever sees what was stored, so a log-prob of the unrounded fp32

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,13 +68,14 @@ class PipelineSide:
     pack_latents: Callable[[torch.Tensor], torch.Tensor]  # noise `[B, *noise_shape[1:]]` -> tokens `[B, S, C]`
     schedule: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (scheduler config, steps, tokens, device)
     load_decoder: Callable[[Path, torch.device, torch.dtype], Decoder]
+    scheduler_config: Mapping[str, Any] = field(default_factory=dict)  # what a checkpoint without one schedules by
+    schedule_note: str = ""  # why the schedule may refuse a step count, in a few words, for the error message
 
 
 @dataclass(frozen=True)
 class TrainSide:
     """The train side's reference model, as data: diffusers' class by name, the PEFT LoRA targets, the FSDP shard
-    units, and the call the family's pipeline makes. The trainer reads these from G1 phase 2 on (until then
-    trueflow/train holds its own copies of the Qwen-Image values)."""
+    units, and the call the family's pipeline makes, as the trainer and the parity probe run it."""
 
     transformer_class: str  # e.g. "QwenImageTransformer2DModel"; its config.json `_class_name`
     lora_targets: tuple[str, ...]  # PEFT `target_modules`
@@ -117,3 +118,8 @@ class ModelFamily:
     train: TrainSide
     presets: Presets
     recipe: Mapping[str, Any]  # the default sampling recipe: `SamplingParams` fields
+    pipeline_module: str = "diffusers"  # where `pipeline_class` is found (a family outside diffusers names its own)
+
+    def pipeline_type(self) -> type:
+        """The pipeline class, whose `save_lora_weights` writes the trainer's LoRA files (imported on call)."""
+        return getattr(importlib.import_module(self.pipeline_module), self.pipeline_class)

@@ -101,12 +101,10 @@ class ParityProbe:
         names = {n: [(n, None)] for n in _report_names(self.family, self.config, self.spec.layer_report)}
         train = self.family.train
         with torch.no_grad(), capture(self.train, names) as seen:
-            if getattr(self.train, "_trueflow_attention_backend", None) != self.train_backend:
-                self.train.set_attention_backend(self.train_backend)  # diffusers logs on every set
-                self.train._trueflow_attention_backend = self.train_backend
-            self.train_output = train.forward(
-                self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
-                train.timestep(self.inputs["timestep"], self.spec.torch_dtype()), self.inputs["img_shape"])
+            self.train_output = train_model.train_forward(
+                self.family, self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
+                train.timestep(self.inputs["timestep"], self.spec.torch_dtype()), self.inputs["img_shape"],
+                backend=self.train_backend)
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):

@@ -41,14 +41,14 @@ def to_cpu(obj):
     return obj
 
 
-def _serve(args: tuple, threads: int, reward_args: tuple | None, requests, replies) -> None:
+def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replies) -> None:
     # On CPU the engine must use the trainer's intra-op thread count (parity condition 9, docs/patch-group.md).
     torch.set_num_threads(threads)
     try:
         from ..engine.engine import Engine
         from ..rewards.base import build_reward, score
 
-        engine = Engine(*args)
+        engine = Engine(**args)
         reward = build_reward(*reward_args) if reward_args is not None else None
         replies.put(("ok", "ready"))
     except ValueError as e:  # a bad setting (a reward spec, a patch name): the user's to fix, one line
@@ -94,14 +94,15 @@ class EngineClient:
     def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 reward: tuple[str, str | None, str, str | None] | None = None):
+                 reward: tuple[str, str | None, str, str | None] | None = None, family: str | None = None):
         """`reward`: (spec, model path, device, url) of a reward to build in the engine process, for
-        `rollout_scored`; None keeps rewards out of it."""
+        `rollout_scored`; None keeps rewards out of it. `family`: as `Engine`'s (where the checkpoint names none)."""
         ctx = mp.get_context("spawn")
         self.requests, self.replies = ctx.Queue(), ctx.Queue()
         self.bucket_bytes = bucket_bytes
         self.process = ctx.Process(target=_serve, daemon=True, args=(
-            (checkpoint, patch_group, tuple(disabled_patches), device, dtype),
+            dict(checkpoint=checkpoint, patch_group=patch_group, disabled_patches=tuple(disabled_patches),
+                 device=device, dtype=dtype, family=family),
             threads or torch.get_num_threads(), reward, self.requests, self.replies))
         self.process.start()
         self._reply()

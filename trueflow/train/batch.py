@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,9 @@ def _pad_to(embeds: torch.Tensor, mask: torch.Tensor | None, width: int | None):
 
 
 def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device: torch.device,
-             pad_text_to: int | None = None, parity: bool = True) -> TrainBatch:
+             pad_text_to: int | None = None, parity: bool = True,
+             timestep: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = model_timestep) -> TrainBatch:
+    """`timestep`: schedule t (fp32) -> the transformer's input, the family's `train.timestep`."""
     where = _locate(rollout)
     mgs = [where[r.sample] for r in rows]
     steps = [mg.sde_steps[r.slot] for r, (mg, _) in zip(rows, mgs)]
@@ -77,7 +80,7 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
         latents=stack(lambda mg, i, t: mg.latents[t, i]),
         next_latents=stack(lambda mg, i, t: mg.latents[t + 1, i]),
         final_latents=stack(lambda mg, i, t: mg.latents[-1, i]),
-        timestep=model_timestep(stack(lambda mg, i, t: mg.timesteps[t]), dtype),
+        timestep=timestep(stack(lambda mg, i, t: mg.timesteps[t]), dtype),
         sigma=stack(lambda mg, i, t: mg.sigmas[t]),
         sigma_next=stack(lambda mg, i, t: mg.sigmas[t + 1]),
         sigma_1=mgs[0][0].sigmas[1].to(device),

@@ -2,7 +2,8 @@
 
 Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
   pytorch_lora_weights.safetensors  the LoRA masters in fp32, PEFT names with diffusers' `transformer.` prefix —
-                                    `QwenImagePipeline.load_lora_weights(dir)` loads it (cast to the pipeline's dtype)
+                                    the family's pipeline (`QwenImagePipeline`) `.load_lora_weights(dir)` loads it
+                                    (cast to the pipeline's dtype)
   pytorch_lora_weights_ema.safetensors  with --ema-decay: the EMA of the LoRA, same format
                                     (`load_lora_weights(dir, weight_name="pytorch_lora_weights_ema.safetensors")`)
   adapter_config.json               rank, alpha, target modules (PEFT's LoraConfig)
@@ -24,10 +25,12 @@ import shutil
 import warnings
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import torch
-from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
+
+from ..models.spec import ModelFamily
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 EMA_FILE = "pytorch_lora_weights_ema.safetensors"
@@ -67,10 +70,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], adapter_config: dict,
-                    optimizer_state: dict, trainer_state: dict, scheduler: dict | None = None,
+def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[str, torch.Tensor],
+                    adapter_config: dict, optimizer_state: dict, trainer_state: dict, scheduler: dict | None = None,
                     ema: dict[str, torch.Tensor] | None = None) -> Path:
-    """Rank 0 only. `scheduler`: the lr scheduler's state dict; `ema`: the EMA of the LoRA (fp32). Returns the
+    """Rank 0 only. The LoRA files are written by the family's diffusers pipeline class. `scheduler`: the lr scheduler's state dict; `ema`: the EMA of the LoRA (fp32). Returns the
     checkpoint folder."""
     ckpts = root / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -81,11 +84,11 @@ def save_checkpoint(root: Path, step: int, lora_fp32: dict[str, torch.Tensor], a
     # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors metadata,
     # which `load_lora_weights` reads for alpha and targets.
     config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
+    pipeline = family.pipeline_type()
     for name, weights in ((LORA_FILE, lora_fp32), (EMA_FILE, ema)):
         if weights is not None:
-            QwenImagePipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu()
-                                                                              for k, v in weights.items()},
-                                                weight_name=name, transformer_lora_adapter_metadata=config)
+            pipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu() for k, v in weights.items()},
+                                       weight_name=name, transformer_lora_adapter_metadata=config)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     extra = {"optimizer": optimizer_state, "rng": rng_state()}
     if scheduler is not None:

@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-DEFAULT_LORA_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-)
-PARITY_BACKEND = "_native_flash"  # the flash kernel, also what the engine pins under the qwen_image group
-MASKED_BACKEND = "native"  # diffusers' `_native_flash` raises on any mask; this is where a masked batch goes
+if TYPE_CHECKING:
+    from ..models.spec import ModelFamily
+
 SECTIONS = ("model", "rollout", "algorithm", "optim", "parallel", "checkpoint", "reward")
 DEFAULT_NUM_SDE_STEPS = 2  # capped at `steps`, so that `--steps 1` runs as it is
 
@@ -57,16 +54,21 @@ class TrainConfig(BaseModel):
     wandb_name: str | None = _f(None, "W&B run name (default: W&B picks one)", None)
     debug: bool = _f(False, "write snapshots of every rollout step", None)
     # model
-    checkpoint: str | None = _f(None, "diffusers Qwen-Image pipeline folder (default: a tiny one made under "
-                                      "runs/tiny-checkpoint on first use)", "model", min_length=1)
+    checkpoint: str | None = _f(None, "diffusers pipeline folder (default: a tiny one of the model family, made "
+                                      "under runs/tiny-checkpoint on first use)", "model", min_length=1)
+    family: str | None = _f(None, "model family (trueflow/models/<family>), where the checkpoint's "
+                                  "model_index.json names none (default: the checkpoint's, else qwen_image)", "model",
+                            min_length=1)
     dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
     use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
     lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
     lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0)
-    lora_target_modules: list[str] = _f(list(DEFAULT_LORA_TARGETS), "LoRA target modules", "model", min_length=1)
+    lora_target_modules: list[str] | None = _f(None, "LoRA target modules (default: the model family's)", "model",
+                                               min_length=1)
     gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
                                              "forward's values, hence parity, are unchanged)", "model")
-    fsdp_attention_backend: str = _f(PARITY_BACKEND, "diffusers attention backend of the train forward", "model")
+    fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
+                                                  "one the family's patch group pairs with)", "model")
     # rollout
     prompts: str | None = _f(None, "text file, one prompt per line (default: the embedded demo prompts)", "rollout",
                              min_length=1)
@@ -85,7 +87,8 @@ class TrainConfig(BaseModel):
     cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1)
     negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
     resolution: int = _f(64, "image side in pixels (multiple of 16)", "rollout", ge=16)
-    rollout_patch_group: str = _f("qwen_image", "the engine's patch group", "rollout", "patch_group")
+    rollout_patch_group: str | None = _f(None, "the engine's patch group (default: the model family's)", "rollout",
+                                         "patch_group")
     disable_patch: list[str] = _f([], "switch one patch of the group off (repeatable)", "rollout")
     lora_merge_mode: Literal["unmerged", "merged"] = _f("unmerged", "how the engine takes LoRA updates", "rollout")
     # algorithm
@@ -164,8 +167,8 @@ class TrainConfig(BaseModel):
 
     @field_validator("lora_target_modules", "disable_patch")
     @classmethod
-    def _names(cls, v: list[str]) -> list[str]:
-        if not all(name.strip() for name in v):
+    def _names(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(name.strip() for name in v):
             raise ValueError("names must not be empty")
         return v
 
@@ -214,15 +217,37 @@ class TrainConfig(BaseModel):
                           f"({total} = --num-rollouts x --num-steps-per-rollout)")
         return errors
 
+    def model_family(self) -> "ModelFamily":
+        """The family of `checkpoint` (its model_index.json), else `family`, else the default family."""
+        from ..models import default_family, family_for_checkpoint, get_family
+
+        if self.checkpoint is not None:
+            return family_for_checkpoint(self.checkpoint, self.family)
+        return get_family(self.family) if self.family is not None else default_family()
+
+    def fill_family_defaults(self) -> "ModelFamily":
+        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group) to the
+        family's values, so that a run records them; returns the family."""
+        fam = self.model_family()
+        if self.lora_target_modules is None:
+            self.lora_target_modules = list(fam.train.lora_targets)
+        if self.fsdp_attention_backend is None:
+            self.fsdp_attention_backend = fam.train.parity_backend
+        if self.rollout_patch_group is None:
+            self.rollout_patch_group = next(iter(fam.patch_groups))
+        return fam
+
     def validate(self) -> None:
-        """Everything not checked on construction (what needs torch, diffusers or the model family: the device, the
-        attention backend, the patch group's names, the wandb package), then one ParityConditionWarning per broken condition."""
+        """Everything not checked on construction (what needs torch, diffusers or the model family: the family, the
+        device, the attention backend, the patch group's names, the wandb package), then one ParityConditionWarning
+        per broken condition. Fills the settings left to the family."""
         import torch
         from diffusers.models.attention_dispatch import AttentionBackendName
 
         from ..patches import get_group
         from .metrics import require_wandb
 
+        fam = self.fill_family_defaults()
         if self.wandb:
             require_wandb()
         try:
@@ -234,10 +259,10 @@ class TrainConfig(BaseModel):
         backends = [b.value for b in AttentionBackendName]
         if self.fsdp_attention_backend not in backends:
             raise ValueError(f"--fsdp-attention-backend {self.fsdp_attention_backend}: not a diffusers attention "
-                             f"backend; use {PARITY_BACKEND} (or one of {', '.join(sorted(backends))})")
+                             f"backend; use {fam.train.parity_backend} (or one of {', '.join(sorted(backends))})")
         if self.fsdp_attention_backend == "_native_cudnn" and device.type != "cuda":
             raise ValueError(f"--fsdp-attention-backend _native_cudnn needs a CUDA device (cuDNN attention does not "
-                             f"exist on {device.type}); use --device cuda, or {PARITY_BACKEND}")
+                             f"exist on {device.type}); use --device cuda, or {fam.train.parity_backend}")
 
         group = get_group(self.rollout_patch_group)  # raises with the known names
         unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
@@ -247,27 +272,36 @@ class TrainConfig(BaseModel):
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
 
+    def _family_choices(self) -> tuple["ModelFamily", str, str]:
+        """(family, rollout patch group, train attention backend), the unset ones at the family's defaults."""
+        fam = self.model_family()
+        return (fam, self.rollout_patch_group or next(iter(fam.patch_groups)),
+                self.fsdp_attention_backend or fam.train.parity_backend)
+
     def engine_patch_group(self) -> str:
-        """The engine's patch group: plain `qwen_image` under another train attention backend becomes
-        `qwen_image:BACKEND` where the family has an engine kernel for that backend (the bitwise pair)."""
-        if self.rollout_patch_group == "qwen_image" and self.fsdp_attention_backend != PARITY_BACKEND:
+        """The engine's patch group: a plain family group under another train attention backend than the family's
+        parity one becomes `group:BACKEND` where the family has an engine kernel for that backend (the bitwise
+        pair)."""
+        fam, group, backend = self._family_choices()
+        if group in fam.patch_groups and backend != fam.train.parity_backend:
             from ..patches import get_group
 
-            paired = f"qwen_image:{self.fsdp_attention_backend}"
+            paired = f"{group}:{backend}"
             try:
                 get_group(paired)
                 return paired
             except ValueError:  # no engine kernel reproduces that backend: condition 5 warns
                 pass
-        return self.rollout_patch_group
+        return group
 
     def parity_warnings(self) -> list[str]:
         """One message per broken condition of bitwise parity (docs/patch-group.md; recipes/bitwise-aligned.yaml
         breaks none)."""
+        fam, group, backend = self._family_choices()
         out = []
-        if self.rollout_patch_group == "none":
+        if group == "none":
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
-                       "bitwise (use --patch-group qwen_image)")
+                       f"bitwise (use --patch-group {next(iter(fam.patch_groups))})")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
         if self.num_steps_per_rollout > 1:
@@ -284,11 +318,14 @@ class TrainConfig(BaseModel):
         if self.train_dp_split_mode != "contiguous":
             out.append("condition 4: --train-dp-split-mode stride mixes prompts (and text lengths) in one "
                        "micro-batch; use contiguous")
-        group = self.engine_patch_group()
-        if self.fsdp_attention_backend != (group.partition(":")[2] or PARITY_BACKEND):
-            out.append(f"condition 5: --fsdp-attention-backend {self.fsdp_attention_backend}: the train side "
-                       f"runs another attention kernel than the engine under patch group {group} (use "
-                       f"{PARITY_BACKEND} or _native_cudnn, which plain qwen_image pairs with the engine's kernel)")
+        engine_group = self.engine_patch_group()
+        if backend != (engine_group.partition(":")[2] or fam.train.parity_backend):
+            plain = next(iter(fam.patch_groups))
+            paired = [b for b in fam.patch_groups[plain].train_backends if b != fam.train.parity_backend]
+            out.append(f"condition 5: --fsdp-attention-backend {backend}: the train side runs another attention "
+                       f"kernel than the engine under patch group {engine_group} (use {fam.train.parity_backend}"
+                       + "".join(f" or {b}" for b in paired)
+                       + f", which plain {plain} pairs with the engine's kernel)")
         if self.lora_merge_mode == "merged":
             out.append("--lora-merge-mode merged: W + scale·B·A in bf16 rounds differently from PEFT's "
                        "unmerged forward")
@@ -320,15 +357,23 @@ class TrainConfig(BaseModel):
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "reward_placement",
                                "gradient_checkpointing"})
-RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
+RESUME_WARNS = frozenset({"device"})
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused, warned) descriptions of the settings `cfg` changes from a checkpoint's recorded ones. A setting
-    the checkpoint does not record (it predates it) counts as its default."""
-    before = {**TrainConfig().to_dict(), **saved}
+    the checkpoint does not record (it predates it) counts as its default; one left to the model family, as the
+    family's value."""
+    family_defaults = TrainConfig(checkpoint=cfg.checkpoint, family=cfg.family)
+    family_defaults.fill_family_defaults()
+    before, now = {**TrainConfig().to_dict(), **saved}, cfg.to_dict()
+    for name in FAMILY_DEFAULTS:
+        for values in (before, now):
+            if values[name] is None:
+                values[name] = getattr(family_defaults, name)
     refused, warned = [], []
-    for name, value in cfg.to_dict().items():
+    for name, value in now.items():
         # A decaying lr schedule spans the run's optimizer steps: a longer run would change every lr from here on.
         fixed = name == "num_rollouts" and cfg.lr_schedule != "constant"
         if (name not in RESUME_MAY_CHANGE or fixed) and before[name] != value:

@@ -1,4 +1,4 @@
-"""The train-side reference model: diffusers' QwenImageTransformer2DModel, LoRA through PEFT.
+"""The train-side reference model: the model family's diffusers transformer (`family.train`), LoRA through PEFT.
 
 Precision contract (docs/precision.md): fp32 master weights (LoRA included) that the optimizer
 updates, and bf16 *compute copies* that run the forward without autocast. The rollout engine receives exactly
@@ -12,18 +12,17 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import QwenImageTransformer2DModel
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from .config import DEFAULT_LORA_TARGETS, MASKED_BACKEND, PARITY_BACKEND
+from ..models.spec import ModelFamily
 
 
 @dataclass
 class LoraSpec:
     rank: int
+    target_modules: tuple[str, ...]  # PEFT's; the family's `train.lora_targets` by default
     alpha: float | None = None  # default: alpha = rank (scale 1)
-    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
     init: str | bool = True  # PEFT's init_lora_weights: B = 0 (True), "gaussian", ...
     extra: dict = field(default_factory=dict)
 
@@ -36,12 +35,7 @@ class LoraSpec:
                           target_modules=list(self.target_modules), init_lora_weights=self.init, **self.extra)
 
 
-def default_backend(dtype: torch.dtype) -> str:
-    """The flash kernel takes bf16/fp16 only; fp32 runs diffusers' native SDPA."""
-    return PARITY_BACKEND if dtype in (torch.bfloat16, torch.float16) else MASKED_BACKEND
-
-
-def add_lora(model: QwenImageTransformer2DModel, spec: LoraSpec, b_init_std: float = 0.0, seed: int = 0) -> None:
+def add_lora(model: torch.nn.Module, spec: LoraSpec, b_init_std: float = 0.0, seed: int = 0) -> None:
     """Attach a PEFT LoRA adapter through diffusers' `add_adapter` (which keeps the model's dtype). PEFT draws A
     from the global RNG, so the attach runs under a forked RNG seeded with `seed`: the same seed, the same
     adapter. With `b_init_std > 0`, B is drawn from a seeded normal so the adapter matters from the start."""
@@ -70,35 +64,36 @@ def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_forward(
-    model: QwenImageTransformer2DModel,
+    family: ModelFamily,
+    model: torch.nn.Module,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     timestep: torch.Tensor,
-    img_shape: tuple[int, int],
+    grid: tuple[int, ...],
     encoder_hidden_states_mask: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """One forward with the attention backend chosen through diffusers' dispatch. `timestep` is t/1000 in the
-    latent dtype, as QwenImagePipeline passes it. A mask under `_native_flash` (which raises on masks) falls
-    back to the masked native backend, with a warning that the batch is no longer bitwise comparable."""
-    backend = backend or default_backend(hidden_states.dtype)
-    if encoder_hidden_states_mask is not None and backend == PARITY_BACKEND:
-        warnings.warn("train forward got a non-trivial text mask: falling back from `_native_flash` to the masked "
-                      f"`{MASKED_BACKEND}` backend; the kernel differs from the rollout's, so parity is not bitwise "
-                      "(parity condition 2, docs/patch-group.md: mixed prompt lengths in one micro-batch)",
-                      stacklevel=2)
-        backend = MASKED_BACKEND
-    shapes = [(1, img_shape[0], img_shape[1])] * hidden_states.shape[0]
+    """One forward of the family's train call with the attention backend chosen through diffusers' dispatch.
+    `timestep` is what the family's pipeline passes the transformer (`family.train.timestep`). A mask under the
+    family's parity backend, where that backend refuses masks (it differs from the masked one), falls back to the
+    masked backend, with a warning that the batch is no longer bitwise comparable."""
+    train = family.train
+    backend = backend or train.backend(hidden_states.dtype)
+    if encoder_hidden_states_mask is not None and backend == train.parity_backend != train.masked_backend:
+        warnings.warn(f"train forward got a non-trivial text mask: falling back from `{train.parity_backend}` to the "
+                      f"masked `{train.masked_backend}` backend; the kernel differs from the rollout's, so parity is "
+                      "not bitwise (parity condition 2, docs/patch-group.md: mixed prompt lengths in one "
+                      "micro-batch)", stacklevel=2)
+        backend = train.masked_backend
     # Set on the model, not as a context around this call: with gradient checkpointing the blocks run again in
     # backward, after this function returned, and must take the same kernel.
     if getattr(model, "_trueflow_attention_backend", None) != backend:  # diffusers logs on every set
         model.set_attention_backend(backend)
         model._trueflow_attention_backend = backend
-    return model(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                 encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep,
-                 img_shapes=shapes, return_dict=False)[0]
+    return train.forward(model, hidden_states, encoder_hidden_states, timestep, grid, encoder_hidden_states_mask)
 
 
-def load_transformer(checkpoint: str, dtype: torch.dtype = torch.float32) -> QwenImageTransformer2DModel:
-    """diffusers' transformer from a checkpoint folder: fp32 for masters, or cast once to a compute dtype."""
-    return QwenImageTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", dtype=dtype)
+def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The family's diffusers transformer from a checkpoint folder: fp32 for masters, or cast once to a compute
+    dtype."""
+    return family.train.model_class().from_pretrained(checkpoint, subfolder="transformer", dtype=dtype)

@@ -1,4 +1,4 @@
-"""The policy being trained: diffusers' transformer + a PEFT LoRA, sharded with FSDP2 under the precision
+"""The policy being trained: the model family's diffusers transformer + a PEFT LoRA, sharded with FSDP2 under the precision
 contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
 frozen base stored as its bf16 compute copy (value-identical to casting fp32 masters each step, half the memory).
 The model itself knows nothing of parallelism; `shard` applies FSDP2 to the built model."""
@@ -12,14 +12,15 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..models.spec import ModelFamily
 from .model import LoraSpec, add_lora, load_transformer
 
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
-def build_policy(checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype, device: torch.device,
-                 seed: int, gradient_checkpointing: bool = False) -> nn.Module:
-    model = load_transformer(checkpoint, compute_dtype)
+def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype,
+                 device: torch.device, seed: int, gradient_checkpointing: bool = False) -> nn.Module:
+    model = load_transformer(family, checkpoint, compute_dtype)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
     add_lora(model, spec, seed=seed)  # PEFT's init (B = 0), seeded
@@ -28,7 +29,7 @@ def build_policy(checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype, de
         if is_lora:
             p.data = p.data.float()  # the fp32 master; FSDP2 casts it to the compute dtype for each forward
         p.requires_grad_(is_lora)
-    return shard(model.to(device), compute_dtype)
+    return shard(model.to(device), compute_dtype, family.train.shard_units)
 
 
 # FSDP2 warns that diffusers' output is a view (an in-place op on it would skip the pre-backward hook). The
@@ -36,11 +37,13 @@ def build_policy(checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype, de
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
-    """FSDP2, one unit per transformer block and one for the rest (torchtitan's layout)."""
+def shard(model: nn.Module, compute_dtype: torch.dtype, units: tuple[str, ...]) -> nn.Module:
+    """FSDP2, one unit per item of each ModuleList named in `units` (the family's `train.shard_units`: its
+    transformer blocks) and one for the rest (torchtitan's layout)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for block in model.transformer_blocks:
-        fully_shard(block, mp_policy=mp)
+    for unit in units:
+        for block in getattr(model, unit):
+            fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 

@@ -19,11 +19,12 @@ DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
 
 def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
-    """The default checkpoint: made once, so `trueflow train` runs with no arguments."""
+    """The default checkpoint: made once (of `cfg.family`, else the default family), so `trueflow train` runs with
+    no arguments."""
     if is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "model_index.json").is_file():
-        from ..checkpoints.qwen_image import init_checkpoint
+        from ..checkpoints import init_checkpoint
 
-        init_checkpoint(DEFAULT_CHECKPOINT, seed=0, overwrite=True)
+        init_checkpoint(DEFAULT_CHECKPOINT, family=cfg.family, seed=0, overwrite=True)
         print(f"made the tiny demo checkpoint {DEFAULT_CHECKPOINT}")
 
 
@@ -60,17 +61,18 @@ def _check_before_loading(cfg: TrainConfig) -> tuple | None:
 
 
 def _check_schedule(cfg: TrainConfig) -> None:
-    """The engine's schedule for these steps, computed now from the checkpoint's scheduler config (no model)."""
-    from ..engine.schedule import QWEN_IMAGE_SCHEDULER_CONFIG, qwen_image_schedule
-
+    """The engine's schedule for these steps, computed now from the checkpoint's scheduler config (no model); a
+    checkpoint not made yet (the default one) has its family's tiny checkpoint's."""
+    fam = cfg.model_family()
     path = Path(cfg.checkpoint) / "scheduler" / "scheduler_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else QWEN_IMAGE_SCHEDULER_CONFIG  # the tiny one's
+    config = json.loads(path.read_text()) if path.is_file() else dict(fam.pipeline.scheduler_config)
+    rows, cols = fam.pipeline.latent_grid(cfg.resolution, cfg.resolution)[-2:]
     try:
         with np.errstate(invalid="ignore", divide="ignore"):  # the failure is reported below, once
-            qwen_image_schedule(config, cfg.steps, (cfg.resolution // 16) ** 2)
-    except ValueError as e:  # one step under Qwen-Image's terminal stretch (shift_terminal) divides by zero
-        raise ValueError(f"--steps {cfg.steps}: {e} (Qwen-Image's scheduler stretches its sigmas to a terminal "
-                         "value, which takes at least 2 steps); use more --steps") from None
+            fam.pipeline.schedule(config, cfg.steps, rows * cols)
+    except ValueError as e:  # e.g. one step under a terminal stretch of the sigmas (shift_terminal) divides by zero
+        note = f" ({fam.pipeline.schedule_note})" if fam.pipeline.schedule_note else ""
+        raise ValueError(f"--steps {cfg.steps}: {e}{note}; use more --steps") from None
 
 
 def run_training(cfg: TrainConfig) -> Path | None:
@@ -106,9 +108,10 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device):
         reward = ((cfg.reward, cfg.reward_model, str(device), cfg.reward_url) if cfg.reward_placement == "engine"
                   else None)
         return EngineClient(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), str(device), dtype,
-                            threads=torch.get_num_threads(), reward=reward)
+                            threads=torch.get_num_threads(), reward=reward, family=cfg.family)
     from ..engine.engine import Engine
 
     with warnings.catch_warnings():
         warnings.simplefilter("default")
-        return Engine(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), device, dtype)
+        return Engine(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), device, dtype,
+                      family=cfg.family)

@@ -60,8 +60,9 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
         self.prompts = load_prompts(cfg.prompts)
+        self.family = cfg.fill_family_defaults()
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
-        self.model = build_policy(cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed,
+        self.model = build_policy(self.family, cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed,
                                   cfg.gradient_checkpointing)
         self.named_params = lora_parameters(self.model)
         self.params = list(self.named_params.values())
@@ -147,7 +148,7 @@ class Trainer:
     def _guided(self, b: TrainBatch) -> torch.Tensor:
         """Both CFG branches as two separate forwards on the recorded inputs, combined as the engine does."""
         def branch(embeds, mask):
-            return train_forward(self.model, b.latents, embeds, b.timestep, b.img_shape, mask,
+            return train_forward(self.family, self.model, b.latents, embeds, b.timestep, b.img_shape, mask,
                                  backend=self.cfg.fsdp_attention_backend)
 
         pos = branch(b.prompt_embeds, b.prompt_mask)
@@ -187,7 +188,8 @@ class Trainer:
         batches = micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample, cfg.micro_batch_size_tstep)
 
         def batch(rows) -> TrainBatch:
-            return assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none")
+            return assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none",
+                            self.family.train.timestep)
 
         mismatch = _Mismatch() if step_in_rollout == 0 or kept is not None else None
         if step_in_rollout and kept is not None:  # the rolled-out weights swapped in, the guided forward, back
@@ -316,7 +318,7 @@ class Trainer:
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         self.saved_step = self.state.step
         if self.ctx.is_main:
-            ckpt.save_checkpoint(self.out, self.state.step, lora, self.lora_spec.peft_config().to_dict(), optim,
+            ckpt.save_checkpoint(self.family, self.out, self.state.step, lora, self.lora_spec.peft_config().to_dict(), optim,
                                  {"step": self.state.step, "rollout": self.state.rollout,
                                   "metrics_lines": self.metrics.lines, "config": self.cfg.to_dict()},
                                  scheduler=self.scheduler.state_dict(), ema=ema)

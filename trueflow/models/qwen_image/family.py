@@ -17,6 +17,7 @@ from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Preset
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
 from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
+from .scheduler_config import QWEN_IMAGE_SCHEDULER_CONFIG
 from .train import train_forward
 from .transformer import (FeedForward, JointAttention, OutputNorm, QwenImageConfig, TimestepEmbedding,
                           TransformerBlock, build_model)
@@ -108,6 +109,8 @@ FAMILY = ModelFamily(
         pack_latents=pack_latents,
         schedule=_schedule,
         load_decoder=_load_decoder,
+        scheduler_config=QWEN_IMAGE_SCHEDULER_CONFIG,
+        schedule_note="Qwen-Image's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps",
     ),
     probe_inputs=_probe_inputs,
     train=TrainSide(
