@@ -59,8 +59,9 @@ def test_cpu_runs_eagerly(tiny):
 
 @torch.no_grad()
 def test_lora_state_sees_every_change_that_replaces_tensors(tiny):
-    """Unmerged adapters are new tensors on every update: the state no longer matches. A merged update copies
-    into the weights in place: it still matches. A full-weight load clears the LoRA: it does not match."""
+    """Unmerged adapters: a first install and another rank are new tensors (the state no longer matches); an
+    update of the same shapes and scale copies into them (it still matches). A merged update copies into the
+    weights in place: it still matches. A full-weight load clears the LoRA: it does not match."""
     config = tiny[0]
     parity = engine(tiny, "cpu", "qwen_image")  # keeps LoRA unmerged
     state = LoraState(parity)
@@ -68,7 +69,9 @@ def test_lora_state_sees_every_change_that_replaces_tensors(tiny):
     update_lora(parity, peft_lora(config, 4, 1), scale=1.0)
     assert not state.matches()
     state = LoraState(parity)
-    update_lora(parity, peft_lora(config, 4, 1), scale=1.0)  # same values, new tensors
+    update_lora(parity, peft_lora(config, 4, 2), scale=1.0)  # same shapes: copied in place
+    assert state.matches()
+    update_lora(parity, peft_lora(config, 8, 2), scale=1.0)  # another rank: new tensors
     assert not state.matches()
 
     fast = engine(tiny, "cpu")  # merges
@@ -104,16 +107,22 @@ def test_replay_is_bitwise_eager(tiny, group, batch):
 @pytest.mark.parametrize("group", ["none", "qwen_image"])
 @torch.no_grad()
 def test_replay_after_lora_updates(tiny, group):
-    """Unmerged (qwen_image): each update re-captures. Merged (none): the graph stays valid. Either way the replay
-    is bitwise the eager forward with the new LoRA."""
+    """Unmerged (qwen_image): same-shape updates copy into the adapters, so the captured graph replays the new
+    LoRA without a re-capture; another rank re-captures. Merged (none): the graph stays valid throughout. Either
+    way every replay is bitwise the eager forward with the new LoRA."""
     model = engine(tiny, "cuda", group)
     graphed = GraphedForward(model)
     x = inputs(tiny[0], 2, 7, 4, "cuda")
-    for step in range(3):
-        update_lora(model, peft_lora(tiny[0], 4, seed=step), scale=1.0)
-        assert_bitwise(graphed(*x), model(*x), f"{group} after LoRA update {step}")
+    outs = []
+    for step, rank in enumerate((4, 4, 4, 8)):
+        update_lora(model, peft_lora(tiny[0], rank, seed=step), scale=1.0)
+        outs.append(graphed(*x))
+        assert_bitwise(outs[-1], model(*x), f"{group} after LoRA update {step}")
+        if step == 2:
+            assert (graphed.captures, graphed.invalidations) == (1, 0), "a same-shape update re-captured"
+    assert not torch.equal(outs[1], outs[2]), "the replay did not see the update"
     merged = group == "none"
-    assert (graphed.captures, graphed.invalidations) == ((1, 0) if merged else (3, 2))
+    assert (graphed.captures, graphed.invalidations) == ((1, 0) if merged else (2, 1))
 
 
 @pytest.mark.gpu

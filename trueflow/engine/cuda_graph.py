@@ -18,10 +18,11 @@ Design:
   contiguous (a GEMM on a strided input may run another kernel than on the static buffer's copy). The timestep
   and the mask are only read elementwise, so any layout is fine (the engine passes `timesteps[i].expand(B)`).
 - Weights: a graph reads every tensor by the address it had at capture. Parameters updated in place stay valid
-  (`load_weights` and the merged LoRA update copy into the parameters). Unmerged LoRA adapters are *new*
-  tensors on every update (`Linear.set_lora`), and merging changes which tensors the forward reads; so before
-  each replay the layers' LoRA state (`LoraState`) is checked against what the graphs were captured with, and
-  any change drops every graph (each is re-captured on its next call): a stale graph can never replay.
+  (`load_weights` and the merged LoRA update copy into the parameters), and so do unmerged LoRA adapters updated
+  with the same shapes and scale (`Linear.set_lora` copies into them). A first install, another rank or scale, a
+  cleared LoRA or a change of merge mode installs *new* tensors or changes which tensors the forward reads; so
+  before each replay the layers' LoRA state (`LoraState`) is checked against what the graphs were captured with,
+  and any change drops every graph (each is re-captured on its next call): a stale graph can never replay.
   Not covered: replacing parameter tensors themselves (`module.weight = ...`, `.to()`, `load_state_dict(assign=
   True)`); call `reset()` after such a change.
 """
@@ -46,8 +47,9 @@ class LoraState:
     weight, which updates copy in place: any merged LoRA is fine), no LoRA, or the list of unmerged adapters it
     held.
 
-    `Linear.set_lora`/`clear_lora` always assign a new adapter list, so a list compared by identity tells whether a
-    layer's unmerged adapters changed. The lists are held strongly, so a freed list's id can never be reused by a
+    `Linear.set_lora`/`clear_lora` assign a new adapter list whenever they install new tensors (an in-place update
+    keeps the list and its tensors), so a list compared by identity tells whether a layer's unmerged adapters
+    were replaced. The lists are held strongly, so a freed list's id can never be reused by a
     new one; the cost is that a replaced LoRA stays allocated until the next forward drops the stale graphs. The
     check is one pass over ~600 layers at full size (about 0.1 ms on a slow CPU) per forward."""
 

@@ -72,7 +72,18 @@ class Linear(nn.Module):
     @torch.no_grad()
     def set_lora(self, adapters: list[LoraAdapter | None], merge: bool) -> None:
         """Replace this layer's LoRA. Merged: W = W_base + scale·B·A, formed in fp32 and rounded once (the
-        serving-engine merge). Unmerged: the adapters are kept and evaluated in every forward."""
+        serving-engine merge). Unmerged: the adapters are kept and evaluated in every forward.
+
+        An unmerged update over unmerged adapters of the same slots, shapes, dtypes, devices and scales is copied
+        into the installed tensors (and list) in place: a captured CUDA graph reads them by address, so it stays
+        valid (`engine.cuda_graph.LoraState`). Anything else installs `adapters` as a new list, which drops the
+        graphs."""
+        if not merge and self._fits_in_place(adapters):
+            for old, new in zip(self.adapters, adapters):
+                if old is not None:
+                    old.A.copy_(new.A)
+                    old.B.copy_(new.B)
+            return
         self.clear_lora()
         self.adapters = list(adapters)
         if not merge:
@@ -83,6 +94,15 @@ class Linear(nn.Module):
             if a is not None:
                 merged[self._slot(i)] += a.scale * (a.B.float() @ a.A.float())
         self.weight.copy_(merged.to(self.weight.dtype))
+
+    def _fits_in_place(self, adapters: list[LoraAdapter | None]) -> bool:
+        def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+        return (not self.merged and any(self.adapters) and len(adapters) == len(self.adapters)
+                and all((old is None) == (new is None) and (old is None or (
+                    same(old.A, new.A) and same(old.B, new.B) and old.scale == new.scale))
+                        for old, new in zip(self.adapters, adapters)))
 
     @torch.no_grad()
     def clear_lora(self) -> None:
