@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BUCKET_BYTES = 512 << 20
-_ALIGN = 16  # each tensor starts 16-byte aligned, so every view is aligned for any dtype's kernels
+ALIGN = 16  # each tensor starts 16-byte aligned, so every view is aligned for any dtype's kernels
 
 
 @dataclass
@@ -27,8 +27,8 @@ def _group_key(name: str) -> str:
     return re.sub(r"\.lora_[AB]\.", ".lora_*.", name)
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
@@ -39,7 +39,7 @@ def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES
     plans: list[list[str]] = [[]]
     size = 0
     for names in groups.values():
-        nbytes = sum(_aligned(tensors[n].numel() * tensors[n].element_size()) for n in names)
+        nbytes = sum(aligned(tensors[n].numel() * tensors[n].element_size()) for n in names)
         if plans[-1] and size + nbytes > max_bytes:
             plans.append([])
             size = 0
@@ -53,7 +53,7 @@ def _pack_one(tensors: dict[str, torch.Tensor], names: list[str]) -> Bucket:
     offsets, total = [], 0
     for n in names:
         offsets.append(total)
-        total += _aligned(tensors[n].numel() * tensors[n].element_size())
+        total += aligned(tensors[n].numel() * tensors[n].element_size())
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     manifest = []
     for n, off in zip(names, offsets):
