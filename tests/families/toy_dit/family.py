@@ -6,8 +6,10 @@ tests/test_families.py puts `tests/families` on `trueflow.models.__path__`, so t
   (so `set_attention_backend` and PEFT's `add_adapter` work on it as on a diffusers transformer);
 - the engine side, with trueflow's `Linear` (LoRA merged or unmerged) and two fast paths, LayerNorm + timestep
   add fused in fp32 and the timestep divided in fp32, that its `toy` patch group swaps for the train side's bf16
-  arithmetic.
-The toy has no text encoder, VAE or schedule: only what `trueflow parity` and `init-checkpoint` use.
+  arithmetic;
+- the pipeline, as small as a rollout and `trueflow train` need: a seeded byte-embedding "text encoder", latent
+  tokens drawn as they are used (no packing), a linear sigma schedule, a "VAE" that colours each token's 16x16
+  pixels from three of its channels, and a pipeline class whose `save_lora_weights` writes the trainer's LoRA files.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from diffusers.loaders import PeftAdapterMixin
+from diffusers.loaders.lora_base import LoraBaseMixin
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from torch import nn
@@ -33,6 +36,8 @@ from trueflow.patches import Patch, PatchGroup
 
 PIXELS_PER_TOKEN = 16
 EPS = 1e-6
+MAX_TEXT_TOKENS = 512  # the text window (as Qwen-Image's, so the trainer's default sampling settings fit)
+SCHEDULER_CONFIG = {"_class_name": "ToyLinearSchedule", "num_train_timesteps": 1000}
 SIZES = {"tiny": {"in_channels": 8, "text_dim": 12, "num_heads": 2, "head_dim": 8, "num_layers": 2}}
 
 
@@ -206,6 +211,8 @@ def build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.
 
 def write_checkpoint(out: Path, size: str, seed: int, dtype: torch.dtype, device) -> None:
     build_transformer(size, seed, dtype, device).save_pretrained(out / "transformer", safe_serialization=True)
+    (out / "scheduler").mkdir()
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
     (out / "model_index.json").write_text(json.dumps({
         "_class_name": "ToyDiTPipeline", "_diffusers_version": diffusers.__version__,
         "transformer": [__name__, "ToyDiT2DModel"]}))
@@ -221,13 +228,53 @@ def probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype
             "timestep": t.to(device), "img_shape": (side, side)}
 
 
-def _no_pipeline(*_args, **_kwargs):
-    raise NotImplementedError("the toy family has no text encoder, VAE or schedule")
+# -- the pipeline -----------------------------------------------------------------------------------------------
+class ToyDiTPipeline(LoraBaseMixin):
+    """Only what the trainer's checkpoints call: diffusers' LoRA writer, under the `transformer.` prefix."""
+
+    _lora_loadable_modules = ["transformer"]
+    transformer_name = "transformer"
+
+    @classmethod
+    def save_lora_weights(cls, save_directory, transformer_lora_layers, weight_name=None,
+                          transformer_lora_adapter_metadata=None):
+        cls._save_lora_weights(save_directory, {cls.transformer_name: transformer_lora_layers},
+                               {cls.transformer_name: transformer_lora_adapter_metadata}, weight_name=weight_name)
+
+
+def load_text(root: Path, device, dtype: torch.dtype):
+    """(no tokenizer, a byte embedding seeded from nothing but the text width)."""
+    text_dim = json.loads((root / "transformer" / "config.json").read_text())["text_dim"]
+    embed = init_weights_(nn.Embedding(256, text_dim), seed=0)
+    return None, embed.to(device, dtype).eval()
+
+
+def encode_prompts(_tokenizer, text_encoder: nn.Embedding, prompts: list[str], max_len: int) -> list[torch.Tensor]:
+    device = text_encoder.weight.device
+    return [text_encoder(torch.tensor(list(p.encode()[:max_len]) or [0], device=device)) for p in prompts]
+
+
+def latent_grid(height: int, width: int) -> tuple[int, int]:
+    return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+
+
+def schedule(_config: dict, steps: int, _tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    sigmas = torch.linspace(1, 0, steps + 1, dtype=torch.float32, device=device)
+    return sigmas, sigmas[:-1] * 1000
+
+
+class ToyDecoder:
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        rows, cols = latent_grid(height, width)
+        rgb = latents[..., :3].float().unflatten(1, (rows, cols)).tanh() * 0.5 + 0.5
+        rgb = rgb.repeat_interleave(PIXELS_PER_TOKEN, 1).repeat_interleave(PIXELS_PER_TOKEN, 2)
+        return (rgb.cpu() * 255).round().to(torch.uint8)
 
 
 FAMILY = ModelFamily(
     name="toy_dit",
     pipeline_class="ToyDiTPipeline",
+    pipeline_module=__name__,
     default=False,
     blocks=("transformer_blocks",),
     engine=EngineSide(
@@ -244,9 +291,10 @@ FAMILY = ModelFamily(
     ),
     patch_groups={"toy": PatchGroupSpec(make_group(), make_group, {"native": "sdpa"})},
     pipeline=PipelineSide(
-        folders=(), pixels_per_token=PIXELS_PER_TOKEN, size_reason="toy VAE factor 8 x patch 2", max_text_tokens=64,
-        load_text=_no_pipeline, encode_prompts=_no_pipeline, latent_grid=_no_pipeline, noise_shape=_no_pipeline,
-        pack_latents=_no_pipeline, schedule=_no_pipeline, load_decoder=_no_pipeline,
+        folders=("scheduler",), pixels_per_token=PIXELS_PER_TOKEN, size_reason="toy VAE factor 8 x patch 2",
+        max_text_tokens=MAX_TEXT_TOKENS, load_text=load_text, encode_prompts=encode_prompts, latent_grid=latent_grid,
+        noise_shape=lambda config, grid: (grid[0] * grid[1], config["in_channels"]), pack_latents=lambda x: x,
+        schedule=schedule, load_decoder=lambda root, device, dtype: ToyDecoder(), scheduler_config=SCHEDULER_CONFIG,
     ),
     probe_inputs=probe_inputs,
     train=TrainSide(
