@@ -1,6 +1,7 @@
 """Weight sync from the trainer to an engine in another process by CUDA IPC, timed until the engine confirms.
 
-    python benchmarks/weight_sync.py --out sync.json [--bucket-gb 8] [--rank 64] [--repeats 3]
+    python benchmarks/weight_sync.py --out sync.json [--rows full,lora_unmerged,lora_merged] [--bucket-gb 8]
+        [--rank 64] [--repeats 10]
 
 This process is the trainer: it holds the bf16 compute copy of the full-size Qwen-Image transformer (seeded random
 weights, diffusers names) and a LoRA. A spawned process is the engine, reduced to what a weight update touches:
@@ -8,7 +9,8 @@ the engine transformer alone (`sync/engine_process.py` builds a whole `Engine` f
 benchmark of random weights has not got). Buckets (`sync/buckets.py`: one flat buffer and a manifest each) cross
 as CUDA IPC handles through a `torch.multiprocessing` queue; no tensor data goes through the pipe. Every row is
 timed from the first byte packed to the engine's checksum (`sync/checksum.py`) of what it now holds, read back
-from its parameters/layers, and the checksum is compared with the trainer's checksum of what it sent.
+from its parameters/layers, and the checksum is compared with the trainer's checksum of what it sent (for
+LoRA, computed in the timed sync as the trainer does in every sync; for full weights, once beforehand).
 
 Rows:
     full            every transformer tensor, streamed in buckets of --bucket-gb with at most two in flight (the
@@ -16,10 +18,13 @@ Rows:
                     engine's checksum of all its weights
     lora_unmerged   LoRA A/B of --rank on the attention + MLP targets (12 per block, the trainer's default), packed
                     with `sync.buckets.pack` (512 MiB buckets) and installed as `engine_process` does
-                    (`engine.weights.update_lora`), kept unmerged (parity mode); then the LoRA checksum
+                    (`engine.weights.update_lora`), kept unmerged (parity mode): after the warm-up, a same-shape
+                    update copied into the installed adapters; then the LoRA checksum. Two LoRAs alternate, so
+                    every sync changes the values and its checksum must change with them.
     lora_merged     the same, merged into the weights in fp32 (the engine's fast mode)
-The first sync of each row is a warm-up (IPC handles opened, allocator grown); the median of --repeats is shown.
-Without CUDA (`--size tiny`, a CPU smoke run) buckets travel through shared memory instead.
+The first sync of each row is a warm-up (IPC handles opened, allocator grown, adapters first installed); the
+median and min-max of --repeats follow. Without the full row the engine's weights are seeded random values
+instead. Without CUDA (`--size tiny`, a CPU smoke run) buckets travel through shared memory instead.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import statistics
 import time
 import traceback
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -57,7 +63,12 @@ def _sync(device: str) -> None:
 def engine_worker(config: dict, device: str, requests, replies) -> None:
     """Holds the engine transformer; answers each request with (value, engine-side seconds) or an error."""
     try:
-        model = build_model(config, device=device, dtype=BF16)  # uninitialised: the first full sync fills it
+        model = build_model(config, device=device, dtype=BF16)
+        model.family = FAMILY  # what `update_lora` maps names with (as `build_engine_transformer` sets it)
+        g = torch.Generator(device=device).manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():  # finite values for a merged LoRA when no full sync fills them
+                p.normal_(0.0, 0.02, generator=g)
         # diffusers tensor name -> (engine parameter, row slice of a packed q/k/v weight or None). Private to
         # models/qwen_image/weights.py: `load_weights` takes only a complete state dict, a stream needs per-bucket.
         targets = _expected_tensors(model)
@@ -88,7 +99,7 @@ def engine_worker(config: dict, device: str, requests, replies) -> None:
                 del buckets, payload
                 _sync(device)
                 t1 = time.perf_counter()
-                value = (tensors_checksum(lora_state(model)), t1 - t0)
+                value = (tensors_checksum(lora_state(model)), t1 - t0)  # one transfer: waits for the kernels
             else:
                 raise ValueError(f"unknown request {op!r}")
             replies.put((value, time.perf_counter() - t0))
@@ -170,23 +181,32 @@ def sync_full(engine: EngineProcess, state: dict[str, torch.Tensor], plans: list
 
 
 def sync_lora(engine: EngineProcess, lora: dict[str, torch.Tensor], merge_mode: str, device: str) -> dict:
+    """One sync as the trainer runs it, timed until the engine's checksum is confirmed: pack, send, the trainer's
+    checksum of what it sent (while the engine installs), the engine's install and checksum, the comparison."""
     _sync(device)
     t0 = time.perf_counter()
     buckets = pack(lora)
+    _sync(device)
+    pack_s = time.perf_counter() - t0
     engine.send("lora", (buckets, 1.0, merge_mode), buckets)
+    sent = tensors_checksum(lora)
+    trainer_checksum_s = time.perf_counter() - t0 - pack_s
     (checksum, install_s), engine_s = engine.reply()
-    return {"total_s": time.perf_counter() - t0, "transfer_s": None, "engine_copy_s": install_s,
-            "engine_checksum_s": engine_s - install_s, "checksum": checksum, "buckets": len(buckets)}
+    confirmed = checksum == sent
+    return {"total_s": time.perf_counter() - t0, "transfer_s": None, "pack_s": pack_s,
+            "trainer_checksum_s": trainer_checksum_s, "engine_copy_s": install_s,
+            "engine_checksum_s": engine_s - install_s, "checksum": checksum, "confirmed": confirmed,
+            "buckets": len(buckets)}
 
 
-def random_lora(config: dict, rank: int, device: str) -> dict[str, torch.Tensor]:
+def random_lora(config: dict, rank: int, device: str, seed: int) -> dict[str, torch.Tensor]:
     """PEFT-format A/B on every module PEFT's suffix matching picks for the default targets (shapes read off a
     meta-device diffusers model)."""
     from diffusers import QwenImageTransformer2DModel
 
     with torch.device("meta"):
         meta = QwenImageTransformer2DModel(**config)
-    g = torch.Generator(device=device).manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return (torch.randn(shape, generator=g, device=device) * 0.01).to(BF16)
@@ -199,22 +219,31 @@ def random_lora(config: dict, rank: int, device: str) -> dict[str, torch.Tensor]
     return out
 
 
-def timed_rows(name: str, run, expected: str, nbytes: int, repeats: int, extra: dict) -> dict:
-    runs = [run() for _ in range(1 + repeats)]
+ROWS = ("full", "lora_unmerged", "lora_merged")
+PHASES = ("total_s", "transfer_s", "pack_s", "trainer_checksum_s", "engine_copy_s", "engine_checksum_s")
+
+
+def timed_rows(name: str, run: Callable[[int], dict], expected: Callable[[int], str], nbytes: int, repeats: int,
+               extra: dict) -> dict:
+    """Sync `1 + repeats` times (`run(i)`, whose checksum must be `expected(i)`); the first is the warm-up."""
+    runs = [run(i) for i in range(1 + repeats)]
     timed = runs[1:]
-    med = {k: statistics.median(r[k] for r in timed) if timed[0][k] is not None else None
-           for k in ("total_s", "transfer_s", "engine_copy_s", "engine_checksum_s")}
-    row = {"row": name, "gb": nbytes / GB, **med, "gb_per_s": nbytes / GB / med["total_s"],
-           "warmup_total_s": runs[0]["total_s"], "totals_s": [r["total_s"] for r in timed],
-           "checksum_ok": all(r["checksum"] == expected for r in runs), **extra}
-    print(f"  {name:14s} {row['gb']:7.2f} GB  {row['total_s']:7.3f} s  checksum ok: {row['checksum_ok']}", flush=True)
+    med = {k: statistics.median(r[k] for r in timed) if timed[0].get(k) is not None else None for k in PHASES}
+    totals = [r["total_s"] for r in timed]
+    row = {"row": name, "gb": nbytes / GB, **med, "min_total_s": min(totals), "max_total_s": max(totals),
+           "gb_per_s": nbytes / GB / med["total_s"], "warmup_total_s": runs[0]["total_s"], "totals_s": totals,
+           "checksum_ok": all(r["checksum"] == expected(i) and r.get("confirmed", True) for i, r in enumerate(runs)),
+           "repeats": repeats, **extra}
+    print(f"  {name:14s} {row['gb']:7.2f} GB  {row['total_s']:7.3f} s (min {row['min_total_s']:.3f}, max "
+          f"{row['max_total_s']:.3f})  checksum ok: {row['checksum_ok']}", flush=True)
     return row
 
 
 def full_row(engine: EngineProcess, state: dict[str, torch.Tensor], args: argparse.Namespace, device: str) -> dict:
     plans = plan_buckets(state, int(args.bucket_gb * GB))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    return timed_rows("full", lambda: sync_full(engine, state, plans, device), tensors_checksum(state), nbytes,
+    expected = tensors_checksum(state)
+    return timed_rows("full", lambda _: sync_full(engine, state, plans, device), lambda _: expected, nbytes,
                       args.repeats, {"buckets": len(plans), "tensors": len(state)})
 
 
@@ -222,46 +251,63 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--size", default="full", help="transformer preset (tiny: a CPU smoke run)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--bucket-gb", type=float, default=8.0, help="full-weight bucket size")
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
+    wanted = [r for r in args.rows.split(",") if r]
+    if not wanted or any(r not in ROWS for r in wanted):
+        print(f"error: --rows {args.rows!r}: give a comma-separated list of {', '.join(ROWS)}")
+        return 2
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1")
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = transformer_config(args.size)
     info = {"torch": torch.__version__, "python": platform.python_version(), "size": args.size,
             "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-            "date": time.strftime("%Y-%m-%d"), "bucket_gb": args.bucket_gb, "lora_rank": args.rank}
+            "date": time.strftime("%Y-%m-%d"), "bucket_gb": args.bucket_gb, "lora_rank": args.rank,
+            "repeats": args.repeats}
     print(info, flush=True)
     t0 = time.perf_counter()
     engine = EngineProcess(config, device)  # builds its model while the trainer builds its own
-    with torch.no_grad():
-        state = build_transformer(config, seed=0, dtype=BF16, device=device).state_dict()
-    engine.reply()  # ready
-    print(f"trainer and engine models built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     try:
-        rows.append(full_row(engine, state, args, device))
-        del state
-        if device == "cuda":
-            torch.cuda.empty_cache()  # hand the 40 GB back to the driver: the merged LoRA's base copies need room
-        lora = random_lora(config, args.rank, device)
-        nbytes = sum(t.numel() * t.element_size() for t in lora.values())
-        expected = tensors_checksum(lora)
+        if "full" in wanted:
+            with torch.no_grad():
+                state = build_transformer(config, seed=0, dtype=BF16, device=device).state_dict()
+        engine.reply()  # ready
+        print(f"trainer and engine models built in {time.perf_counter() - t0:.0f} s", flush=True)
+        if "full" in wanted:
+            rows.append(full_row(engine, state, args, device))
+            del state
+            if device == "cuda":
+                torch.cuda.empty_cache()  # hand the 40 GB back to the driver: the merged LoRA's base copies need room
+        loras = [random_lora(config, args.rank, device, seed) for seed in (1, 2)]  # alternated: every sync changes
+        nbytes = sum(t.numel() * t.element_size() for t in loras[0].values())
+        expected = [tensors_checksum(lora) for lora in loras]
         for mode in ("unmerged", "merged"):
-            rows.append(timed_rows(f"lora_{mode}", lambda: sync_lora(engine, lora, mode, device), expected, nbytes,
-                                   args.repeats, {"tensors": len(lora)}))
+            if f"lora_{mode}" in wanted:
+                rows.append(timed_rows(f"lora_{mode}", lambda i: sync_lora(engine, loras[i % 2], mode, device),
+                                       lambda i: expected[i % 2], nbytes, args.repeats, {"tensors": len(loras[0])}))
     finally:
         with open(args.out, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)
         engine.close()
-    head = (f"{'row':14s} {'GB':>7s} {'total s':>8s} {'GB/s':>7s} {'transfer s':>10s} {'engine copy s':>13s} "
-            f"{'checksum s':>10s} {'warm-up s':>9s} {'checksum ok':>11s}")
+    head = (f"{'row':14s} {'GB':>7s} {'total s':>8s} {'min-max s':>13s} {'GB/s':>7s} {'transfer s':>10s} "
+            f"{'pack s':>7s} {'trainer sum s':>13s} {'engine copy s':>13s} {'engine sum s':>12s} {'warm-up s':>9s} "
+            f"{'checksum ok':>11s}")
     print("\n" + head + "\n" + "-" * len(head))
+
+    def cell(value: float | None, width: int) -> str:
+        return f"{'-' if value is None else f'{value:.3f}':>{width}s}"
+
     for r in rows:
-        transfer = "-" if r["transfer_s"] is None else f"{r['transfer_s']:.3f}"
-        print(f"{r['row']:14s} {r['gb']:7.2f} {r['total_s']:8.3f} {r['gb_per_s']:7.1f} {transfer:>10s} "
-              f"{r['engine_copy_s']:13.3f} {r['engine_checksum_s']:10.3f} {r['warmup_total_s']:9.3f} "
-              f"{str(r['checksum_ok']):>11s}")
+        print(f"{r['row']:14s} {r['gb']:7.2f} {r['total_s']:8.3f} {r['min_total_s']:6.3f}-{r['max_total_s']:6.3f} "
+              f"{r['gb_per_s']:7.1f} {cell(r['transfer_s'], 10)} {cell(r['pack_s'], 7)} "
+              f"{cell(r['trainer_checksum_s'], 13)} {r['engine_copy_s']:13.3f} {r['engine_checksum_s']:12.3f} "
+              f"{r['warmup_total_s']:9.3f} {str(r['checksum_ok']):>11s}")
     print("(engine copy: the engine's copy-in for full weights, summed over buckets; for LoRA, update_lora's "
           "install, merge included)")
     return 0 if all(r["checksum_ok"] for r in rows) else 1

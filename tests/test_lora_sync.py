@@ -6,6 +6,10 @@ two swapped tensors, and is the same on CPU and CUDA."""
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,3 +152,24 @@ def test_checksum_is_the_same_on_cpu_and_cuda():
     assert tensors_checksum({k: v.cuda() for k, v in tensors.items()}) == tensors_checksum(tensors)
     half = {k: (v.cuda() if i % 2 else v) for i, (k, v) in enumerate(sorted(tensors.items()))}
     assert tensors_checksum(half) == tensors_checksum(tensors)  # mixed devices
+
+
+# -- the benchmark's CPU smoke run -----------------------------------------------------------------------------
+def test_weight_sync_benchmark_smoke_run(tmp_path):
+    """`benchmarks/weight_sync.py --size tiny`: every row confirmed by the engine's checksum, with min <= median
+    <= max; a bad --rows is one line and exit 2."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "sync.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "weight_sync.py"), "--size", "tiny", "--rank", "4",
+           "--repeats", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"full", "lora_unmerged", "lora_merged"}
+    for r in rows.values():
+        assert r["checksum_ok"] is True and r["repeats"] == len(r["totals_s"]) == 2
+        assert r["min_total_s"] <= r["total_s"] <= r["max_total_s"]
+    assert rows["lora_unmerged"]["engine_checksum_s"] is not None and rows["lora_unmerged"]["pack_s"] is not None
+    bad = subprocess.run(cmd[:-2] + ["--rows", "lora", "--out", str(out)], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--rows 'lora'" in bad.stdout and "Traceback" not in bad.stderr
