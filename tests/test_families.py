@@ -118,21 +118,22 @@ def test_fake_family_runs_parity_through_the_generic_code(toy_family, tmp_path, 
     assert fast["first_differing_module"] is not None
 
 
-def test_fake_family_trains_through_the_generic_code(toy_family, tmp_path, capsys):
-    """Two rollouts of `trueflow train` on the toy's checkpoint: the trainer loads the toy's diffusers class, its
-    LoRA targets and its patch group from the family, the train forward equals the engine's bitwise at every step,
-    the LoRA moves, and the checkpoint is written by the toy's pipeline class."""
+def test_fake_family_trains_through_the_generic_code(toy_family, tmp_path, capsys, monkeypatch):
+    """Two rollouts of `trueflow train --family toy_dit` (the default checkpoint, made of that family): the trainer
+    loads the toy's diffusers class, its LoRA targets and its patch group from the family, the train forward equals
+    the engine's bitwise at every step, the LoRA moves, and the checkpoint is written by the toy's pipeline class."""
     from safetensors.torch import load_file
 
     from trueflow.train.checkpoint import LORA_FILE, latest_checkpoint
 
-    ckpt, out = tmp_path / "toy", tmp_path / "run"
-    assert _run(capsys, "init-checkpoint", "--family", "toy_dit", "--out", str(ckpt))[0] == 0
-    rc, _, err = _run(capsys, "train", "--checkpoint", str(ckpt), "--output-dir", str(out), "--num-rollouts", "2",
+    monkeypatch.chdir(tmp_path)  # the default checkpoint is made under ./runs
+    out = tmp_path / "run"
+    rc, _, err = _run(capsys, "train", "--family", "toy_dit", "--output-dir", str(out), "--num-rollouts", "2",
                       "--rollout.batch-size", "1", "--n-samples-per-prompt", "2", "--rollout.microgroup-size", "2",
                       "--micro-batch-size-sample", "2", "--steps", "2", "--cfg-scale", "1", "--sample-every", "0",
                       "--lr", "0.05")
     assert rc == 0, err
+    assert family_for_checkpoint(tmp_path / "runs" / "tiny-checkpoint") is toy_family
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     assert [r["model_output_max_abs_diff"] for r in rows] == [0.0, 0.0]
