@@ -47,7 +47,7 @@ from trueflow.engine.weights import lora_state, update_lora
 from trueflow.models.qwen_image.transformer import build_model
 from trueflow.models.qwen_image.weights import _expected_tensors
 from trueflow.sync.buckets import Bucket, pack, unpack
-from trueflow.sync.checksum import tensors_checksum
+from trueflow.sync.checksum import buckets_checksum, tensors_checksum
 from trueflow.models.qwen_image.family import FAMILY
 
 BF16 = torch.bfloat16
@@ -181,15 +181,15 @@ def sync_full(engine: EngineProcess, state: dict[str, torch.Tensor], plans: list
 
 
 def sync_lora(engine: EngineProcess, lora: dict[str, torch.Tensor], merge_mode: str, device: str) -> dict:
-    """One sync as the trainer runs it, timed until the engine's checksum is confirmed: pack, send, the trainer's
-    checksum of what it sent (while the engine installs), the engine's install and checksum, the comparison."""
+    """One sync, timed until the engine's checksum is confirmed: pack, send, the trainer's checksum of the buckets
+    it sent (while the engine installs), the engine's install and checksum, the comparison."""
     _sync(device)
     t0 = time.perf_counter()
     buckets = pack(lora)
     _sync(device)
     pack_s = time.perf_counter() - t0
     engine.send("lora", (buckets, 1.0, merge_mode), buckets)
-    sent = tensors_checksum(lora)
+    sent = buckets_checksum(buckets)  # what the trainer sent
     trainer_checksum_s = time.perf_counter() - t0 - pack_s
     (checksum, install_s), engine_s = engine.reply()
     confirmed = checksum == sent

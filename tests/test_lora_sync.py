@@ -20,7 +20,8 @@ from trueflow.engine.weights import build_engine_transformer, update_lora
 from trueflow.layers.linear import Linear
 from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.sync import checksum
-from trueflow.sync.checksum import tensors_checksum
+from trueflow.sync.buckets import Bucket, pack
+from trueflow.sync.checksum import buckets_checksum, tensors_checksum
 
 TARGETS = {"attn.to_q": (1, 1), "attn.add_v_proj": (1, 1), "img_mlp.net.0.proj": (1, 4), "txt_mlp.net.2": (4, 1)}
 
@@ -128,6 +129,20 @@ def test_checksum_is_the_documented_formula(monkeypatch):
     monkeypatch.setattr(checksum, "_GROUP_BYTES", 4096)  # many groups, each starting mid-row
     assert tensors_checksum(tensors, "x") == expected
     assert tensors_checksum({}, "x") == hashlib.sha256(b"x").hexdigest()
+
+
+def test_checksum_of_the_sent_buckets_is_the_tensors_checksum(monkeypatch):
+    """The sender's side, read off `pack`'s buffers (several buckets), equals the formula; so does a bucket whose
+    layout is not pack's (reversed manifest: the fallback through the tensors)."""
+    tensors = mixed_tensors()
+    expected = reference_checksum(tensors, "x")
+    buckets = pack(tensors, max_bytes=20000)
+    assert len(buckets) > 2
+    assert buckets_checksum(buckets, "x") == expected
+    monkeypatch.setattr(checksum, "_GROUP_BYTES", 4096)
+    assert buckets_checksum(buckets, "x") == expected
+    reordered = [Bucket(b.buffer, b.manifest[::-1]) for b in buckets]
+    assert buckets_checksum(reordered, "x") == expected
 
 
 def test_checksum_sees_a_flipped_bit_and_swapped_tensors():

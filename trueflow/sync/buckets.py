@@ -49,19 +49,18 @@ def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 def _pack_one(tensors: dict[str, torch.Tensor], names: list[str]) -> Bucket:
+    """One concatenation of the tensors' bytes and zero padding: a few batched copy kernels, not one per tensor."""
     device = tensors[names[0]].device
-    offsets, total = [], 0
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+    parts, manifest, total = [], [], 0
     for n in names:
-        offsets.append(total)
-        total += aligned(tensors[n].numel() * tensors[n].element_size())
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    manifest = []
-    for n, off in zip(names, offsets):
-        t = tensors[n].detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        buffer[off:off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
-        manifest.append((n, t.dtype, tuple(t.shape), off))
-    return Bucket(buffer, manifest)
+        t = tensors[n].detach()
+        data = t.reshape(-1).view(torch.uint8).to(device)
+        pad = aligned(data.numel()) - data.numel()
+        parts += [data, zeros[:pad]] if pad else [data]
+        manifest.append((n, t.dtype, tuple(t.shape), total))
+        total += data.numel() + pad
+    return Bucket(torch.cat(parts), manifest)
 
 
 def unpack(buckets: list[Bucket]) -> dict[str, torch.Tensor]:
