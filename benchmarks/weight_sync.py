@@ -189,8 +189,9 @@ def sync_lora(engine: EngineProcess, lora: dict[str, torch.Tensor], merge_mode: 
     _sync(device)
     pack_s = time.perf_counter() - t0
     engine.send("lora", (buckets, 1.0, merge_mode), buckets)
+    t1 = time.perf_counter()
     sent = buckets_checksum(buckets)  # what the trainer sent
-    trainer_checksum_s = time.perf_counter() - t0 - pack_s
+    trainer_checksum_s = time.perf_counter() - t1
     (checksum, install_s), engine_s = engine.reply()
     confirmed = checksum == sent
     return {"total_s": time.perf_counter() - t0, "transfer_s": None, "pack_s": pack_s,
