@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -317,6 +318,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command_line = argv is None  # the process's own command line, not a call from Python
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(verb if verb in VERBS else None)
@@ -325,10 +327,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"trueflow {args.verb}: error: unrecognized arguments: {' '.join(unknown)} "
                        f"(see trueflow {args.verb} --help)\n")
     try:
-        return VERBS[args.verb][2](args)
+        code = VERBS[args.verb][2](args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one clear line, no traceback
         print(f"trueflow {args.verb}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        code = 2
+    if command_line and args.verb == "train" and "TORCHELASTIC_RUN_ID" in os.environ:
+        _exit_torchrun_worker(code)
+    return code
+
+
+def _exit_torchrun_worker(code: int) -> None:
+    """End a torchrun worker whose run is over (its files written and closed, its process group destroyed) without
+    interpreter finalization. On 2 CPU ranks under load, a gloo worker thread still holding a finished work item's
+    tensors was seen to abort a rank at finalization ("terminate called without an active exception", SIGABRT)
+    after a run that had succeeded, turning exit 0 into -6; PyTorch's own analysis (pytorch/pytorch#179291) puts the
+    abort in the GIL acquire of that teardown. Nothing is left to do at that point, so skip it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

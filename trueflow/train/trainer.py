@@ -293,6 +293,7 @@ class Trainer:
             self.save()
         if self.ctx.is_main:
             write_summary(self.out, cfg)
+            self.metrics.close()  # finishes W&B and TensorBoard now, not in an exit handler
 
     def _write_samples(self, rollout, index: int) -> None:
         """The rollout's grid; with an EMA also the EMA weights' grid (same prompts, seed and sampling), which the
