@@ -124,6 +124,9 @@ class TrainConfig(BaseModel):
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
     device: str = _f("cpu", "torch device", "parallel")
+    deterministic: bool = _f(False, "deterministic kernels only (torch.use_deterministic_algorithms, a fixed cuBLAS "
+                                    "workspace, no cuDNN autotuning), so two runs on one GPU train bit for bit alike; "
+                                    "an op with no deterministic kernel then stops the run, naming it", "parallel")
     engine_process: bool = _f(False, "run the engine in its own process; LoRA synced by IPC handles", "parallel")
     train_dp_split_mode: Literal["contiguous", "stride"] = _f("contiguous", "how train pairs go to DP ranks",
                                                               "parallel")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def _check_schedule(cfg: TrainConfig) -> None:
 def run_training(cfg: TrainConfig) -> Path | None:
     """Runs on every rank; returns the run folder on rank 0, None elsewhere."""
     resumed = _check_before_loading(cfg)
+    if cfg.deterministic:
+        use_deterministic_kernels()
     ctx = init_distributed(cfg.device)
     engine = reward = None
     try:
@@ -99,6 +102,17 @@ def run_training(cfg: TrainConfig) -> Path | None:
         if hasattr(engine, "close"):
             engine.close()
         dist.destroy_process_group()
+
+
+def use_deterministic_kernels() -> None:
+    """Training whose every kernel is deterministic (`--deterministic`). The forward is already bitwise on rerun (the
+    parity guarantee needs it); the backward is not by default on a GPU: split-K GEMMs may pick a workspace-dependent
+    reduction order, atomics-based kernels add in arrival order. cuBLAS needs its workspace fixed before its first
+    call, hence before any model is built."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
 
 
 def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device):
