@@ -28,9 +28,14 @@ from pathlib import Path
 import diffusers
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from ..models.spec import ModelFamily
+from .dist import DistContext
+from .model import LoraSpec
+from .policy import lora_full_state, set_lora_state
+from .schedule import LoraEMA
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 EMA_FILE = "pytorch_lora_weights_ema.safetensors"
@@ -158,3 +163,46 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] 
         raise CheckpointError(f"no checkpoint of {root} reads back ({'; '.join(failures)}); move {root} aside to "
                               "start over")
     return None
+
+
+def save_training(family: ModelFamily, root: Path, ctx: DistContext, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, scheduler, ema: LoraEMA | None, lora_spec: LoraSpec, step: int,
+                  rollout: int, metrics_lines: int | None, config: dict) -> None:
+    """A training checkpoint at `step`: `model`'s LoRA, `optimizer`, the lr `scheduler`, the `ema`, the RNGs and
+    the trainer state (`rollout`s done, `metrics_lines` written, the settings). Every rank takes part (the full
+    states are collectives); rank 0 writes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    lora = lora_full_state(model)
+    ema_state = ema.full_state() if ema is not None else None
+    optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        save_checkpoint(family, root, step, lora, lora_spec.peft_config().to_dict(), optim,
+                        {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config},
+                        scheduler=scheduler.state_dict(), ema=ema_state)
+    if ctx.world > 1:
+        dist.barrier()
+
+
+def restore_training(resumed: tuple[Path, dict[str, torch.Tensor], dict, dict], model: torch.nn.Module,
+                     named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler,
+                     ema: LoraEMA | None) -> dict:
+    """Put what `load_latest` read back into the LoRA, the optimizer, the lr scheduler, the EMA and the RNGs;
+    return the saved trainer state (step, rollout, metrics_lines, ...)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    path, lora, extra, state = resumed
+    set_lora_state(named_params, lora)
+    # strict=False: a LoRA parameter that never got a gradient (the last block's text-stream outputs feed
+    # nothing) has no AdamW state to save, exactly as in the run that saved it.
+    set_optimizer_state_dict(model, optimizer, extra["optimizer"],
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+    if "scheduler" in extra:  # a checkpoint from before schedules ran the constant lr
+        scheduler.load_state_dict(extra["scheduler"])
+    if ema is not None:
+        if "ema" not in extra:
+            raise ValueError(f"--resume: {path} holds no EMA of the LoRA; resume with the run's --ema-decay "
+                             "(0), or start a new --output-dir")
+        set_lora_state(ema.shadow, extra["ema"])
+    set_rng_state(extra["rng"])
+    return state

@@ -8,7 +8,10 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync")  # vary run to run
 
@@ -48,6 +51,28 @@ def require_wandb() -> None:
         import wandb  # noqa: F401
     except ImportError:
         raise ValueError("--wandb needs the wandb package: pip install 'trueflow[wandb]'") from None
+
+
+def step_record(step: int, rollout: int, step_in_rollout: int, scored: torch.Tensor, dropped: int, train: dict,
+                sync: dict, times: dict, time_train: float) -> dict:
+    """One optimizer step's metrics line. `scored`: the rollout's rewards less the skipped (NaN) ones; `dropped`:
+    the samples the reward skipped; `train`: the optimizer step's metrics; `sync`: the LoRA sync's checksums and
+    time; `times`: the rollout's and reward's. Scripts read these names: keep them."""
+    return {"step": step, "rollout": rollout, "step_in_rollout": step_in_rollout,
+            "reward_mean": _mean(scored), "reward_std": _std(scored),
+            "dropped_samples": dropped, **train,
+            "checksums_equal": sync["trainer_checksum"] == sync["engine_checksum"],
+            "trainer_checksum": sync["trainer_checksum"], "engine_checksum": sync["engine_checksum"],
+            **times, "time_train": time_train, "time_sync": sync["time_sync"]}
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    return x.mean().item() if x.numel() else None
+
+
+def _std(x: torch.Tensor) -> float | None:
+    """The population std of the scored rewards; None when the reward skipped every sample (no warning)."""
+    return x.std(unbiased=False).item() if x.numel() else None
 
 
 class MetricsWriter:

@@ -1,12 +1,8 @@
 """The GRPO loop: rollout -> rewards -> advantages -> train pairs -> micro-batches -> PPO-clip (or DiffusionNFT's
 loss) -> optimizer step -> LoRA sync -> next rollout.
 
-Two kinds of metrics per optimizer step. The train/rollout mismatch (`model_output_*`, `log_prob_max_abs_diff`,
-`ratio_mean`, `ratio_max_abs_dev_from_1`) compares the train forward at the weights the engine rolled out with to
-the engine's records: on a rollout's first step those are the current weights; on its later steps the policy has
-moved, so the mismatch is null there unless `parity_on_every_step` measures it against a kept copy of the
-rolled-out LoRA. The policy's own change since the rollout (`policy_*`) is the current policy against the engine's
-log-probs, at every step."""
+Beside it: the train/rollout parity and the policy's change (`parity_monitor`), checkpoints (`checkpoint`), the
+metrics line of each optimizer step (`metrics`)."""
 
 from __future__ import annotations
 
@@ -33,16 +29,14 @@ from . import checkpoint as ckpt
 from .batch import TrainBatch, assemble
 from .config import TrainConfig
 from .dist import DistContext, all_reduce, broadcast_object
-from .metrics import MetricsWriter, WandbSettings
+from .metrics import MetricsWriter, WandbSettings, step_record
 from .model import LoraSpec, train_forward
 from .pairs import micro_batches, rank_samples
-from .policy import build_policy, lora_full_state, lora_parameters, set_lora_state
+from .parity_monitor import ParityMonitor, keep_rolled_out
+from .policy import build_policy, lora_full_state, lora_parameters
 from .prompts import load_prompts
 from .report import write_sample_grid, write_summary
 from .schedule import LoraEMA, lr_scheduler
-
-MISMATCH_KEYS = ("model_output_max_abs_diff", "model_output_mean_abs_diff", "log_prob_max_abs_diff", "ratio_mean",
-                 "ratio_max_abs_dev_from_1")
 
 
 @dataclass
@@ -73,8 +67,14 @@ class Trainer:
         self.state = StepState()
         self.saved_step: int | None = None
         keep = None
-        if cfg.resume:
-            keep = self._resume(resumed)
+        if cfg.resume:  # nothing saved yet: start over, dropping any metrics of the killed run
+            keep = 0
+            if resumed is not None:
+                saved = ckpt.restore_training(resumed, self.model, self.named_params, self.optimizer, self.scheduler,
+                                              self.ema)
+                self.state = StepState(step=saved["step"], rollout=saved["rollout"])
+                self.saved_step = saved["step"]
+                keep = saved["metrics_lines"]
         wandb = WandbSettings(cfg.wandb_project, cfg.wandb_name, self.out, cfg.to_dict()) if cfg.wandb else None
         self.metrics = MetricsWriter(self.out / "metrics.jsonl",
                                      self.out / "tensorboard" if cfg.tensorboard else None,
@@ -191,14 +191,13 @@ class Trainer:
             return assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none",
                             self.family.train.timestep)
 
-        mismatch = _Mismatch() if step_in_rollout == 0 or kept is not None else None
-        if step_in_rollout and kept is not None:  # the rolled-out weights swapped in, the guided forward, back
-            with torch.no_grad(), _swapped(self.named_params, kept):
-                for rows in batches:
-                    b = batch(rows)
-                    guided = self._guided(b)
-                    mismatch.add(b, guided, self._log_prob(b, guided)[0])
-        policy = _Mismatch()
+        def rolled_out_forward(rows) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
+            b = batch(rows)
+            guided = self._guided(b)
+            return b, guided, self._log_prob(b, guided)[0]
+
+        parity = ParityMonitor(step_in_rollout, kept)
+        parity.measure_rolled_out(self.named_params, batches, rolled_out_forward)
         sums = {"clipped": 0.0, "loss_sum": 0.0, "kl_sum": 0.0}
         for rows in batches:
             b = batch(rows)
@@ -213,14 +212,11 @@ class Trainer:
                 loss = loss + cfg.kl_beta * kl
             (loss / len(batches)).backward()
             with torch.no_grad():
-                policy.add(b, guided, log_prob)
-                if step_in_rollout == 0:  # the current weights are the rolled-out ones
-                    mismatch.add(b, guided, log_prob)
+                parity.add(b, guided, log_prob)
                 sums["clipped"] += (clip_frac or 0.0) * len(rows)
                 sums["loss_sum"] += loss.item()
                 sums["kl_sum"] += kl.item()
-        policy_stats = policy.reduce()
-        measured = mismatch.reduce() if mismatch is not None else dict.fromkeys(MISMATCH_KEYS)
+        parity_metrics, rows_measured = parity.reduce()
         sums = all_reduce(sums, dist.ReduceOp.SUM)
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
@@ -235,12 +231,8 @@ class Trainer:
         update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
         n_batches = len(batches) * ctx.world
         return {
-            **{k: measured[k] for k in MISMATCH_KEYS},
-            "parity_measured": mismatch is not None,
-            "policy_ratio_mean": policy_stats["ratio_mean"],
-            "policy_ratio_max_abs_dev_from_1": policy_stats["ratio_max_abs_dev_from_1"],
-            "policy_log_prob_max_abs_diff": policy_stats["log_prob_max_abs_diff"],
-            "clip_frac": None if cfg.algorithm == "nft" else sums["clipped"] / max(policy_stats["rows"], 1),
+            **parity_metrics,
+            "clip_frac": None if cfg.algorithm == "nft" else sums["clipped"] / max(rows_measured, 1),
             "loss": sums["loss_sum"] / n_batches,
             "kl": sums["kl_sum"] / n_batches,
             "lr": lr,
@@ -259,9 +251,7 @@ class Trainer:
             # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
             scored = rewards[~torch.isnan(rewards)]
             advantages = group_advantages(rewards, cfg.n_samples_per_prompt, cfg.adv_clip_max, cfg.global_std)
-            # The masters the engine rolled out with (it holds their compute copies), for later steps' mismatch.
-            kept = ({n: p.detach().clone() for n, p in self.named_params.items()}
-                    if cfg.parity_on_every_step and cfg.num_steps_per_rollout > 1 else None)
+            kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout)
             for k in range(cfg.num_steps_per_rollout):
                 t0 = time.perf_counter()
                 m = self._train_step(rollout, advantages, k, kept)
@@ -269,12 +259,7 @@ class Trainer:
                 sync = self._sync()
                 self.state.step += 1
                 if self.ctx.is_main:
-                    record = {"step": self.state.step, "rollout": index, "step_in_rollout": k,
-                              "reward_mean": _mean(scored), "reward_std": _std(scored),
-                              "dropped_samples": len(dropped), **m,
-                              "checksums_equal": sync["trainer_checksum"] == sync["engine_checksum"],
-                              "trainer_checksum": sync["trainer_checksum"], "engine_checksum": sync["engine_checksum"],
-                              **times, "time_train": t1 - t0, "time_sync": sync["time_sync"]}
+                    record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
                     self.metrics.write(record)
                     bar.set_postfix(reward=_show(record["reward_mean"], ".3f"),
                                     diff=_show(record["model_output_max_abs_diff"], ".1e"),
@@ -311,43 +296,10 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        lora = lora_full_state(self.model)
-        ema = self.ema.full_state() if self.ema is not None else None
-        optim = get_optimizer_state_dict(self.model, self.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        ckpt.save_training(self.family, self.out, self.ctx, self.model, self.optimizer, self.scheduler, self.ema,
+                           self.lora_spec, self.state.step, self.state.rollout,
+                           self.metrics.lines if self.metrics is not None else None, self.cfg.to_dict())
         self.saved_step = self.state.step
-        if self.ctx.is_main:
-            ckpt.save_checkpoint(self.family, self.out, self.state.step, lora, self.lora_spec.peft_config().to_dict(), optim,
-                                 {"step": self.state.step, "rollout": self.state.rollout,
-                                  "metrics_lines": self.metrics.lines, "config": self.cfg.to_dict()},
-                                 scheduler=self.scheduler.state_dict(), ema=ema)
-        if self.ctx.world > 1:
-            dist.barrier()
-
-    def _resume(self, resumed: tuple | None) -> int | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        if resumed is None:
-            return 0  # nothing saved yet: start over, dropping any metrics of the killed run
-        path, lora, extra, state = resumed
-        set_lora_state(self.named_params, lora)
-        # strict=False: a LoRA parameter that never got a gradient (the last block's text-stream outputs feed
-        # nothing) has no AdamW state to save, exactly as in the run that saved it.
-        set_optimizer_state_dict(self.model, self.optimizer, extra["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
-        if "scheduler" in extra:  # a checkpoint from before schedules ran the constant lr
-            self.scheduler.load_state_dict(extra["scheduler"])
-        if self.ema is not None:
-            if "ema" not in extra:
-                raise ValueError(f"--resume: {path} holds no EMA of the LoRA; resume with the run's --ema-decay "
-                                 "(0), or start a new --output-dir")
-            set_lora_state(self.ema.shadow, extra["ema"])
-        ckpt.set_rng_state(extra["rng"])
-        self.state = StepState(step=state["step"], rollout=state["rollout"])
-        self.saved_step = state["step"]
-        return state["metrics_lines"]
 
 
 @contextmanager
@@ -358,56 +310,6 @@ def _adapters_disabled(model):
         yield
     finally:
         model.enable_adapters()
-
-
-@contextmanager
-def _swapped(params: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor]):
-    """`values` in place of the parameters' (same sharding), the current ones put back after; under no_grad."""
-    current = {name: p.detach().clone() for name, p in params.items()}
-    for name, p in params.items():
-        p.detach().copy_(values[name])
-    try:
-        yield
-    finally:
-        for name, p in params.items():
-            p.detach().copy_(current[name])
-
-
-class _Mismatch:
-    """A train forward against the engine's records, over a step's micro-batches (and ranks): model output and
-    log-prob differences, the likelihood ratio."""
-
-    def __init__(self):
-        self.maxes = {"model_output_max_abs_diff": 0.0, "log_prob_max_abs_diff": 0.0, "ratio_max_abs_dev_from_1": 0.0}
-        self.sums = {"abs_diff_sum": 0.0, "numel": 0.0, "ratio_sum": 0.0, "rows": 0.0}
-
-    def add(self, b: TrainBatch, guided: torch.Tensor, log_prob: torch.Tensor) -> None:
-        d = (guided.detach().float() - b.engine_guided.float()).abs()
-        lp = (log_prob.detach() - b.old_log_prob).abs()
-        ratio = torch.exp(log_prob.detach() - b.old_log_prob)
-        for key, value in (("model_output_max_abs_diff", d.max()), ("log_prob_max_abs_diff", lp.max()),
-                           ("ratio_max_abs_dev_from_1", (ratio - 1).abs().max())):
-            self.maxes[key] = max(self.maxes[key], value.item())
-        self.sums["abs_diff_sum"] += d.sum().item()
-        self.sums["numel"] += d.numel()
-        self.sums["ratio_sum"] += ratio.sum().item()
-        self.sums["rows"] += ratio.numel()
-
-    def reduce(self) -> dict:
-        """Over every rank (a collective)."""
-        maxes = all_reduce(self.maxes, dist.ReduceOp.MAX)
-        sums = all_reduce(self.sums, dist.ReduceOp.SUM)
-        return {**maxes, "model_output_mean_abs_diff": sums["abs_diff_sum"] / max(sums["numel"], 1),
-                "ratio_mean": sums["ratio_sum"] / max(sums["rows"], 1), "rows": sums["rows"]}
-
-
-def _mean(x: torch.Tensor) -> float | None:
-    return x.mean().item() if x.numel() else None
-
-
-def _std(x: torch.Tensor) -> float | None:
-    """The population std of the scored rewards; None when the reward skipped every sample (no warning)."""
-    return x.std(unbiased=False).item() if x.numel() else None
 
 
 def _show(value: float | None, spec: str) -> str:
