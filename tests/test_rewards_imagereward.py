@@ -20,17 +20,14 @@ from trueflow.rewards import build_reward, score
 from trueflow.rewards.imagereward import clip_transform
 from trueflow.rewards.tiny_clip import init_tiny_imagereward
 
-MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+from test_rewards_hps import MEAN, STD, batch  # OpenAI's CLIP normalisation and the random uint8 images
+
 PROMPTS = ["a cat", "A photo of a red dog on a sofa!", "x", "a cat"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny_imagereward(tmp_path_factory.mktemp("ir") / "ImageReward", seed=0)
-
-
-def batch(n: int, h: int = 32, w: int = 32, seed: int = 0) -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), dtype=np.uint8))
 
 
 def published_imagereward(state: dict, med: dict, pixels: torch.Tensor, ids: torch.Tensor,
