@@ -101,8 +101,8 @@ def expected_tensors(model: nn.Module, names: Names) -> dict[str, tuple[nn.Param
             if isinstance(mod, Linear) and mod.packed:
                 for i in range(len(mod.splits)):
                     out[f"{names.diffusers_module_name(mod_name, i)}.{p_name}"] = (param, mod._slot(i))
-            else:
-                out[f"{names.diffusers_module_name(mod_name)}.{p_name}"] = (param, None)
+            else:  # a parameter of the root module (LTX-2's output modulation table) has no module prefix
+                out[".".join(filter(None, (names.diffusers_module_name(mod_name), p_name)))] = (param, None)
     return out
 
 
