@@ -21,8 +21,6 @@ What each patch changes, and why the engine's fast op differs:
 - `rope_tables`: diffusers builds the positions from pixel-space patch bounds (shift, clamp, `/fps`, midpoint,
   `/base size`) and the frequencies `θ^linspace` in float64 before rounding to fp32; the fast tables come from the
   closed-form positions and fp32 frequencies (no float64, which not every accelerator has).
-- `timestep_proj`: diffusers' sinusoid computes the exponent as `(-ln 10000 · i) / 128`; the fast op as
-  `i · (-ln 10000 / 128)` (the constant folded), which rounds differently for some channels.
 - `unpacked_qkv`: one GEMM per projection (q, k, v, gate logits), each with its bias, instead of a packed GEMM.
 - `text_mask_bias`: the pipeline passes an all-ones text mask, which the transformer turns into an additive bf16
   bias `(1-m)·-10000`, repeated per head, that attention reads; the fast engine passes no mask when every token is
@@ -40,16 +38,14 @@ or `_native_efficient` (the memory-efficient kernel pinned; CUDA only).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from ...layers.linear import Linear
 from ...patches import Patch, PatchGroup
-from .transformer import (TIMESTEP_CHANNELS, AdaLNSingle, AttentionGate, CrossAttention, GatedResidual, LTX2Config,
-                          LTX2Transformer, LayerNormScaleShift, QKNormRope, RMSNormScaleShift, RotaryEmbedding,
-                          ScaleShift, SelfAttention, Tables, split_tables)
+from .transformer import (AttentionGate, CrossAttention, GatedResidual, LTX2Config, LTX2Transformer,
+                          LayerNormScaleShift, QKNormRope, RMSNormScaleShift, RotaryEmbedding, ScaleShift,
+                          SelfAttention, Tables, split_tables)
 
 
 # -- norms and modulation (bf16 semantics: every elementwise op rounds) ---------------------------------------
@@ -141,19 +137,6 @@ def rope_tables_reference(config: LTX2Config, grid: tuple[int, int, int], fps: f
     return split_tables(angles[0], config.inner_dim, config.num_attention_heads)
 
 
-# -- timestep ------------------------------------------------------------------------------------------------------
-def timestep_proj_reference(t: torch.Tensor) -> torch.Tensor:
-    """diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`: exponent `-ln(10000)·i`, divided
-    by 128, exp, times t (fp32), times the scale 1, [sin, cos] flipped to [cos, sin]."""
-    half = TIMESTEP_CHANNELS // 2
-    exponent = -math.log(10000) * torch.arange(start=0, end=half, dtype=torch.float32, device=t.device)
-    exponent = exponent / (half - 0)
-    emb = t[:, None].float() * torch.exp(exponent)[None, :]
-    emb = 1 * emb
-    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
-    return torch.cat([emb[:, half:], emb[:, :half]], dim=-1)
-
-
 # -- the group -------------------------------------------------------------------------------------------------
 def _set(kinds: type | tuple[type, ...], attr: str, value):
     """A patch that sets `attr = value` on every module of the given type(s)."""
@@ -191,8 +174,6 @@ def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -
               _set(QKNormRope, "impl", qk_norm_rope_reference)),
         Patch("rope_tables", "RoPE tables from pixel-space patch bounds and float64 frequencies, as diffusers",
               _set(RotaryEmbedding, "impl", rope_tables_reference)),
-        Patch("timestep_proj", "the sinusoid's exponent computed as (-ln 10000·i)/128, as diffusers",
-              _set(AdaLNSingle, "proj_impl", timestep_proj_reference)),
         Patch("unpacked_qkv", "separate q/k/v/gate GEMMs with the bias in the same call",
               _set(Linear, "unpacked", True)),
         Patch("text_mask_bias", "the text mask as the pipeline's additive bf16 bias (1-m)·-10000 per head, "

@@ -81,6 +81,9 @@ class LTX2Config:
         cfg = cls(**kwargs)
         if cfg.attention_head_dim % 2:
             raise ValueError(f"attention_head_dim {cfg.attention_head_dim} must be even for the split RoPE")
+        if cfg.cross_attn_mod and cfg.cross_attention_dim != cfg.inner_dim:
+            raise ValueError(f"cross_attention_dim {cfg.cross_attention_dim} must equal the video width "
+                             f"{cfg.inner_dim} with cross_attn_mod: the text is modulated by the video's rows")
         return cfg
 
     @property
@@ -92,9 +95,10 @@ class LTX2Config:
 TIMESTEP_CHANNELS = 256
 
 
-def timestep_proj_fused(t: torch.Tensor) -> torch.Tensor:
-    """Sinusoidal projection of the timestep `t` (fp32, 0..1000, as the pipeline passes it) with flip_sin_to_cos:
-    [cos, sin] of `t·ω`, the frequencies `exp(i·(-ln 10000 / 128))` (one constant, one multiply per channel)."""
+def timestep_proj(t: torch.Tensor) -> torch.Tensor:
+    """Sinusoidal projection of the timestep `t` (fp32, 0..1000, as the pipeline passes it: no rounding of t) with
+    flip_sin_to_cos: [cos, sin] of `t·ω`, `ω = exp(i·(-ln 10000 / 128))`. Bitwise diffusers' `Timesteps`, which
+    computes the exponent as `(-ln 10000 · i) / 128`: dividing by 128 is exact, so both orders round alike."""
     half = TIMESTEP_CHANNELS // 2
     freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / half))
     args = t.float()[:, None] * freqs[None, :]
@@ -110,11 +114,10 @@ class AdaLNSingle(nn.Module):
         self.linear_1 = Linear(TIMESTEP_CHANNELS, dim)
         self.linear_2 = Linear(dim, dim)
         self.linear = Linear(dim, n * dim)
-        self.proj_impl = timestep_proj_fused
 
     def forward(self, t: torch.Tensor, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """t: [B] or [B, S] -> (modulation [B, 1 or S, n·dim], embedding [B, 1 or S, dim])."""
-        emb = self.linear_2(F.silu(self.linear_1(self.proj_impl(t.flatten()).to(dtype))))
+        emb = self.linear_2(F.silu(self.linear_1(timestep_proj(t.flatten()).to(dtype))))
         mod = self.linear(F.silu(emb))
         return mod.view(batch, -1, mod.shape[-1]), emb.view(batch, -1, emb.shape[-1])
 
