@@ -85,7 +85,8 @@ def inputs(config: dict, batch: int, grid: tuple[int, int, int], text_len: int, 
 
 def diffusers_forward(ref, inp: dict, mask: torch.Tensor | None = None, audio_seed: int = 0,
                       audio_len: int = 1) -> torch.Tensor:
-    """The pipeline's call, isolated, with a one-token (or `audio_len`) audio stream of seeded content."""
+    """The pipeline's call, isolated, with a one-token (or `audio_len`) audio stream of seeded content (its timestep
+    the per-sample sigma when the video's is per token)."""
     B, L = inp["encoder_hidden_states"].shape[:2]
     frames, rows, cols = inp["grid"]
     g = torch.Generator().manual_seed(1000 + audio_seed)
@@ -96,7 +97,8 @@ def diffusers_forward(ref, inp: dict, mask: torch.Tensor | None = None, audio_se
                    audio_hidden_states=torch.randn(B, audio_len, c.audio_in_channels, generator=g).to(BF16),
                    encoder_hidden_states=inp["encoder_hidden_states"],
                    audio_encoder_hidden_states=torch.randn(B, L, c.audio_cross_attention_dim, generator=g).to(BF16),
-                   timestep=inp["timestep"], sigma=inp["timestep"], encoder_attention_mask=mask,
+                   timestep=inp["timestep"], sigma=inp.get("sigma", inp["timestep"]),
+                   audio_timestep=inp.get("sigma"), encoder_attention_mask=mask,
                    audio_encoder_attention_mask=mask, num_frames=frames, height=rows, width=cols, fps=FPS,
                    audio_num_frames=audio_len, isolate_modalities=True, use_cross_timestep=True,
                    return_dict=False)[0]
@@ -105,7 +107,8 @@ def diffusers_forward(ref, inp: dict, mask: torch.Tensor | None = None, audio_se
 def engine_forward(model, inp: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
         return model(hidden_states=inp["hidden_states"], timestep=inp["timestep"], grid=inp["grid"],
-                     encoder_hidden_states=inp["encoder_hidden_states"], encoder_attention_mask=mask, fps=FPS)
+                     encoder_hidden_states=inp["encoder_hidden_states"], encoder_attention_mask=mask,
+                     sigma=inp.get("sigma"), fps=FPS)
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +150,18 @@ def test_group_bitwise_with_diffusers(lora):
         assert_differs(engine_forward(exact, inp), expected, "merged LoRA")
 
 
-@pytest.mark.parametrize("grid,padded", [((5, 2, 3), False), ((3, 4, 2), True)], ids=["9x64x96", "padded_text"])
-def test_other_config_bitwise_without_code_changes(grid, padded):
-    """Other heads, head width, layers, text width and frame count; and a text mask with padding (the bias then
-    masks real tokens)."""
+@pytest.mark.parametrize("grid,padded,per_token", [((5, 2, 3), False, False), ((3, 4, 2), True, False),
+                                                   ((2, 2, 3), False, True)],
+                         ids=["9x64x96", "padded_text", "per_token_timesteps"])
+def test_other_config_bitwise_without_code_changes(grid, padded, per_token):
+    """Other heads, head width, layers, text width and frame count; a text mask with padding (the bias then masks
+    real tokens); per-token timesteps [B, S] with the prompt modulation's own sigma [B]."""
     ref = diffusers_model(OTHER, seed=3)
     inp = inputs(OTHER, 2, grid, 6, seed=4)
+    if per_token:
+        g = torch.Generator().manual_seed(9)
+        inp["timestep"] = torch.rand(2, inp["hidden_states"].shape[1], generator=g) * 1000
+        inp["sigma"] = torch.rand(2, generator=g) * 1000
     mask = torch.ones(2, 6, dtype=torch.int64)
     if padded:
         mask[1, 4:] = 0
