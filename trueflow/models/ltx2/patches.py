@@ -50,7 +50,8 @@ from .transformer import (AttentionGate, CrossAttention, GatedResidual, LTX2Conf
 
 # -- norms and modulation (bf16 semantics: every elementwise op rounds) ---------------------------------------
 def rms_norm_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """diffusers' `RMSNorm` without a weight: the variance in fp32, `x·rsqrt` promoted to fp32, rounded to x's dtype."""
+    """diffusers' `RMSNorm` without a weight: the variance in fp32, `x·rsqrt` promoted to fp32, rounded to x's
+    dtype."""
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     return (x * torch.rsqrt(variance + eps)).to(x.dtype)
 

@@ -288,7 +288,8 @@ KERNELS = {"sdpa": None, "math": SDPBackend.MATH, "efficient": SDPBackend.EFFICI
            "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, kernel: str) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              kernel: str) -> torch.Tensor:
     """q [B, S, H, D], k/v [B, L, H, D]; mask: None, bool [B, 1, 1, L] (True = attend) or an additive bias
     [B, H, 1, L]. Returns [B, S, H, D]. The permuted views are what diffusers' native backends hand SDPA."""
     if kernel not in KERNELS:
@@ -448,9 +449,9 @@ class LTX2Transformer(nn.Module):
 
     def text_mask(self, mask: torch.Tensor | None, batch: int, text_len: int, dtype, device) -> torch.Tensor | None:
         """The text attention's mask. Fast: None when every token is valid (the collate's None: no mask for the
-        kernel to read), else a bool key mask [B, 1, 1, L]. With `text_mask_bias` (the pipeline's way, `patches.py`): the additive bias
-        diffusers makes of the mask, `(1 - m)·-10000` in the model dtype, repeated per head [B, H, 1, L], an
-        all-ones mask when none is given (the pipeline always passes one)."""
+        kernel to read), else a bool key mask [B, 1, 1, L]. With `text_mask_bias` (the pipeline's way,
+        `patches.py`): the additive bias diffusers makes of the mask, `(1 - m)·-10000` in the model dtype, repeated
+        per head [B, H, 1, L], from an all-ones mask when none is given (the pipeline always passes one)."""
         if not self.text_mask_bias:
             return None if mask is None else mask.bool()[:, None, None, :]
         heads = self.config.num_attention_heads
