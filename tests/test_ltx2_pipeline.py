@@ -33,10 +33,10 @@ def ckpt(tmp_path_factory):
     return out
 
 
-def run_pipeline(ckpt, seed=0, **overrides):
-    """Run LTX2Pipeline and record every transformer call (its keyword inputs and its video output) and the latents
-    after each step."""
-    pipe = LTX2Pipeline.from_pretrained(ckpt)
+def run_pipeline(ckpt, seed=0, dtype=torch.float32, **overrides):
+    """Run LTX2Pipeline in `dtype` and record every transformer call (its keyword inputs and its video output) and
+    the latents after each step."""
+    pipe = LTX2Pipeline.from_pretrained(ckpt, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     calls, stepped = [], []
 
@@ -61,17 +61,18 @@ def run_pipeline(ckpt, seed=0, **overrides):
     return pipe, calls, stepped, out
 
 
-@pytest.fixture(scope="module")
-def recorded(ckpt):
-    return run_pipeline(ckpt)
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def recorded(ckpt, request):
+    return (*run_pipeline(ckpt, dtype=request.param), request.param)
 
 
 def test_prompts_bitwise(ckpt, recorded):
-    _, calls, _, _ = recorded
-    tokenizer, text = load_text(ckpt, "cpu", torch.float32)
+    _, calls, _, _, dtype = recorded
+    tokenizer, text = load_text(ckpt, "cpu", dtype)
     conds = encode_prompts(tokenizer, text, PROMPTS, TEXT_LEN)
     batch = collate_cond(conds, TEXT_STREAMS)
     for call in calls:
+        assert batch["encoder_hidden_states"].dtype == dtype
         assert torch.equal(batch["encoder_hidden_states"], call["encoder_hidden_states"])
         assert torch.equal(batch["audio_encoder_hidden_states"], call["audio_encoder_hidden_states"])
         # The connectors leave every position valid: the collate drops the mask, the pipeline passes all ones.
@@ -83,7 +84,7 @@ def test_prompts_bitwise(ckpt, recorded):
 
 
 def test_schedule_and_timesteps_bitwise(recorded):
-    pipe, calls, _, _ = recorded
+    pipe, calls, _, _, _ = recorded
     grid = latent_grid(HEIGHT, WIDTH, FRAMES)
     sigmas, timesteps = ltx2_schedule(LTX2_SCHEDULER_CONFIG, STEPS, grid[0] * grid[1] * grid[2])
     assert sigmas.dtype == timesteps.dtype == torch.float32
@@ -117,7 +118,7 @@ def test_latents_pack_bitwise(ckpt):
 def test_denoising_loop_bitwise(recorded):
     """Schedule + model_output + a plain Euler step reproduce the pipeline's latents, from its own transformer
     outputs, bit for bit at every step."""
-    _, calls, stepped, _ = recorded
+    _, calls, stepped, _, dtype = recorded
     grid = latent_grid(HEIGHT, WIDTH, FRAMES)
     sigmas, _ = ltx2_schedule(LTX2_SCHEDULER_CONFIG, STEPS, grid[0] * grid[1] * grid[2])
     cfg = transformer_config("tiny")
@@ -126,7 +127,9 @@ def test_denoising_loop_bitwise(recorded):
     latents = pack_latents(noise)
     changed = 0
     for i, call in enumerate(calls):
-        assert call["hidden_states"].dtype == torch.float32 and torch.equal(call["hidden_states"], latents)
+        # the model gets the fp32 latents cast to the pipeline's dtype; its output comes back in that dtype
+        assert call["hidden_states"].dtype == dtype and torch.equal(call["hidden_states"], latents.to(dtype))
+        assert call["output"].dtype == dtype
         velocity = model_output(call["output"], latents, sigmas[i])
         changed += int((velocity != call["output"]).sum())
         latents = euler_step(velocity, latents, sigmas[i], sigmas[i + 1])
@@ -135,17 +138,19 @@ def test_denoising_loop_bitwise(recorded):
 
 
 def test_decoder_bitwise(ckpt, recorded):
-    _, _, stepped, out = recorded
-    frames = VideoDecoder(ckpt, "cpu", torch.float32).decode(stepped[-1], HEIGHT, WIDTH, FRAMES)
+    _, _, stepped, out, dtype = recorded
+    frames = VideoDecoder(ckpt, "cpu", dtype).decode(stepped[-1], HEIGHT, WIDTH, FRAMES)
     assert frames.shape == (len(PROMPTS), FRAMES, HEIGHT, WIDTH, 3) and frames.dtype == torch.uint8
     expected = torch.from_numpy((out.frames * 255).round().astype(np.uint8))  # numpy_to_pil's conversion
+    assert len(np.unique(out.frames)) > 100  # a picture, not a constant
     assert torch.equal(frames, expected)
 
 
-def test_train_forward_is_the_pipelines_isolated_pass(ckpt):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_train_forward_is_the_pipelines_isolated_pass(ckpt, dtype):
     """With modality guidance on, the pipeline runs the transformer a second time with isolate_modalities=True and
     its real audio stream; train_forward (one placeholder audio token, no masks in cond) gives that very output."""
-    pipe, calls, _, _ = run_pipeline(ckpt, modality_scale=2.0, audio_modality_scale=2.0)
+    pipe, calls, _, _ = run_pipeline(ckpt, dtype=dtype, modality_scale=2.0, audio_modality_scale=2.0)
     isolated = [c for c in calls if c["isolate_modalities"]]
     assert len(isolated) == STEPS and isolated[0]["audio_hidden_states"].shape[1] > 1
     grid = latent_grid(HEIGHT, WIDTH, FRAMES)

@@ -16,8 +16,9 @@ What the transformer receives, per stream: `encoder_hidden_states` `[B, L, video
 `encoder_attention_mask` and `audio_encoder_attention_mask`. The transformer still turns that mask into an additive
 bias, `(1 - mask.to(dtype)) * -10000.0` = -0.0 everywhere, `[B, 1, L]`, repeated over heads by
 `prepare_attention_mask`, and hands it to the attention backend of every text cross-attention. So the cross
-attentions always run a masked kernel: `_native_flash` raises on any mask, and SDPA takes its masked path (whose
-bits differ from the mask-less path). Here the collate turns the all-true mask into `None` (every prompt is `L` long);
+attentions always run with a mask: `_native_flash` raises on any mask, and SDPA dispatches a masked call to its
+masked kernels (on CUDA the flash kernel takes no mask; on the CPU the -0.0 bias gives the mask-less bits, checked).
+Here the collate turns the all-true mask into `None` (every prompt is `L` long);
 `trueflow.models.ltx2.train.train_forward` passes the all-ones mask back, as the pipeline does.
 """
 
@@ -58,7 +59,7 @@ def load_text(root: str | Path, device: torch.device | str, dtype: torch.dtype) 
     root = Path(root)
     tokenizer = GemmaTokenizer.from_pretrained(root / "tokenizer")
     text_encoder = Gemma3ForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=dtype)
-    connectors = LTX2TextConnectors.from_pretrained(root / "connectors", torch_dtype=dtype)
+    connectors = LTX2TextConnectors.from_pretrained(root / "connectors", dtype=dtype)
     return tokenizer, TextModule(text_encoder, connectors).to(device).eval()
 
 
@@ -72,7 +73,7 @@ def encode_prompts(tokenizer: "GemmaTokenizer", text_module: TextModule, prompts
     negatives in their own batch, then runs the connectors on [negatives, prompts])."""
     text_encoder, connectors = text_module.text_encoder, text_module.connectors
     registers = connectors.config.video_connector_num_learnable_registers
-    if not 1 <= max_sequence_length or (registers and max_sequence_length % registers):
+    if max_sequence_length < 1 or (registers and max_sequence_length % registers):
         raise ValueError(f"max_sequence_length must be a positive multiple of the connectors' {registers} learnable "
                          f"registers, got {max_sequence_length}")
     # The pipeline sets these on its tokenizer before every call.

@@ -21,7 +21,7 @@ class VideoDecoder:
     """The checkpoint's video VAE, decoding packed latents the way the pipeline does."""
 
     def __init__(self, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16):
-        self.vae = AutoencoderKLLTX2Video.from_pretrained(checkpoint, subfolder="vae", torch_dtype=dtype)
+        self.vae = AutoencoderKLLTX2Video.from_pretrained(checkpoint, subfolder="vae", dtype=dtype)
         self.vae = self.vae.to(device).eval()
         self.dtype = dtype  # the pipeline's dtype, which the latents are cast to before denormalizing
 
