@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import LTX2Pipeline
+from diffusers.models.attention_dispatch import attention_backend
 from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from peft import LoraConfig, get_peft_model_state_dict
 
@@ -194,9 +195,9 @@ def test_isolated_video_ignores_audio():
             assert not torch.equal(joint, ref)  # without isolation the audio reaches the video
         with pytest.raises(RuntimeError):  # zero audio tokens crash the transformer
             model(audio_hidden_states=torch.zeros(2, 0, 4), audio_num_frames=0, isolate_modalities=True, **base)
-        # the text mask is always passed, so a mask-refusing backend cannot run the train call
-        model.set_attention_backend("_native_flash")
-        with pytest.raises(ValueError, match="attn_mask"):
+        # the text mask is always passed, so a mask-refusing backend cannot run the train call. (The context manager
+        # restores the process-wide default; `set_attention_backend` would leave it set for every diffusers module.)
+        with attention_backend("_native_flash"), pytest.raises(ValueError, match="attn_mask"):
             train_forward(model, hs, t, grid, cond)
 
 
