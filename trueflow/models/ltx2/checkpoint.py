@@ -27,7 +27,7 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
-from .presets import build_transformer, seeded_init_
+from .presets import build_seeded, build_transformer, seeded_init_
 from .scheduler_config import LTX2_SCHEDULER_CONFIG
 
 # Gemma's special tokens at their real ids (pad 0, eos 1, bos 2, unk 3, mask 4), then the image tokens the vision
@@ -134,12 +134,13 @@ def build_text_encoder(tokenizer: GemmaTokenizer, size: str, seed: int) -> Gemma
     return seeded_init_(Gemma3ForConditionalGeneration(config), seed).eval()
 
 
-def build_connectors(transformer_config: dict, text_hidden: int, text_layers: int, size: str,
-                     seed: int) -> LTX2TextConnectors:
-    """The 2.3 connectors, each stream as wide as the transformer's (its heads, its head dims)."""
+def build_connectors(transformer_config: dict, text_hidden: int, text_layers: int, size: str, seed: int,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LTX2TextConnectors:
+    """The 2.3 connectors, each stream as wide as the transformer's (its heads, its head dims), in `dtype` on
+    `device` (the full-size ones are 2B parameters)."""
     layers, registers = _CONNECTOR_LAYERS[size]
     tc = transformer_config
-    connectors = LTX2TextConnectors(
+    return build_seeded(lambda: LTX2TextConnectors(
         caption_channels=text_hidden,
         text_proj_in_factor=text_layers + 1,
         video_connector_num_attention_heads=tc["num_attention_heads"],
@@ -161,18 +162,18 @@ def build_connectors(transformer_config: dict, text_hidden: int, text_layers: in
         video_hidden_dim=tc["cross_attention_dim"],
         audio_hidden_dim=tc["audio_cross_attention_dim"],
         proj_bias=True,
-    )
-    return seeded_init_(connectors, seed).eval()
+    ), seed, dtype, device)
 
 
 def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> LTX2Pipeline:
-    """A complete LTX2Pipeline in memory: the `size` transformer in `dtype` on `device`, the rest fp32 on the CPU."""
+    """A complete LTX2Pipeline in memory: the `size` transformer and the connectors in `dtype` on `device`, the
+    text encoder in `dtype`, the VAEs and the vocoder fp32 on the CPU."""
     transformer = build_transformer(size, seed, dtype, device)
     tc = dict(transformer.config)
     text_size = _text_size(tc)
     tokenizer = build_tokenizer()
-    text_encoder = build_text_encoder(tokenizer, text_size, seed + 1)
+    text_encoder = build_text_encoder(tokenizer, text_size, seed + 1).to(dtype)
     text_cfg = text_encoder.config.text_config
     audio_vae_config = {**_AUDIO_VAE}
     if tc["audio_in_channels"] != 4:  # the real audio VAE's latent layout: 8 channels x 64/4 mel bins
@@ -185,7 +186,8 @@ def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch
         audio_vae=audio_vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        connectors=build_connectors(tc, text_cfg.hidden_size, text_cfg.num_hidden_layers, text_size, seed + 2),
+        connectors=build_connectors(tc, text_cfg.hidden_size, text_cfg.num_hidden_layers, text_size, seed + 2,
+                                    dtype, device),
         transformer=transformer,
         vocoder=seeded_init_(LTX2VocoderWithBWE(in_channels=vocoder_in, bwe_in_channels=vocoder_in,
                                                 num_mel_channels=audio_vae.config.mel_bins, **_VOCODER),

@@ -11,7 +11,7 @@ transformer (`use_prompt_embeddings=False`: the connectors' per-modality project
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from ...checkpoints.random_init import init_weights_
 
-# The real LTX-2.3 transformer (22B): 48 layers, 32 heads x 128 (4096-wide video), 32 heads x 64 (2048-wide audio).
+# The real LTX-2.3 transformer (19B; 21B with the text connectors): 48 layers, 32 heads x 128 (4096-wide video), 32 heads x 64 (2048-wide audio).
 _FULL: dict[str, Any] = {
     "in_channels": 128,
     "out_channels": 128,
@@ -143,16 +143,23 @@ def build_transformer(
     """diffusers' LTX2VideoTransformer3DModel with seeded random weights, built in memory in `dtype` on `device`
     (the weights drawn there too), eval mode."""
     config = transformer_config(size_or_config) if isinstance(size_or_config, str) else dict(size_or_config)
-    config.pop("_class_name", None)
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    # Parameters start on the meta device so the 22B model is allocated once, directly in `dtype`.
+    config = {k: v for k, v in config.items() if not k.startswith("_")}  # a config.json's _class_name etc.
+    return build_seeded(lambda: LTX2VideoTransformer3DModel(**config), seed, dtype, device)
+
+
+def build_seeded(make: Callable[[], nn.Module], seed: int, dtype: torch.dtype,
+                 device: str | torch.device) -> nn.Module:
+    """`make()` with seeded random weights in `dtype` on `device` (drawn there), eval mode. The parameters start on
+    the meta device, so a large model is allocated once, directly in `dtype`, and never default-initialised. Only
+    for modules without tied parameters or buffers (the LTX-2 transformer and connectors compute RoPE per call)."""
     with init_empty_weights():
-        model = LTX2VideoTransformer3DModel(**config)
+        model = make()
+    if any(True for _ in model.buffers()):
+        raise ValueError(f"{type(model).__name__} has buffers; build it directly and use seeded_init_")
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
             mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
-    seeded_init_(model, seed, device)
-    return model.eval()  # the model has no buffers (RoPE is computed per call), so nothing else needs casting
+    return seeded_init_(model, seed, device).eval()
 
 
 # The public LTX-2.3 GRPO recipe (radixark/miles_diffusion, scripts/run_diffusion_grpo_ltx23_sglang.py, "FG - fully
