@@ -2,12 +2,13 @@
 tiny checkpoint: the oracle is always what the pipeline computed (recorded with hooks on its transformer), never
 this package's own code."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from diffusers import LTX2Pipeline
 from diffusers.models.attention_dispatch import attention_backend
-from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from peft import LoraConfig, get_peft_model_state_dict
 
 from trueflow.collate import collate_cond
@@ -18,7 +19,8 @@ from trueflow.models.ltx2.presets import RECIPE, build_transformer, transformer_
 from trueflow.models.ltx2.prompts import TEXT_STREAMS, encode_prompts, load_text
 from trueflow.models.ltx2.schedule import ltx2_schedule
 from trueflow.models.ltx2.scheduler_config import LTX2_SCHEDULER_CONFIG
-from trueflow.models.ltx2.train import LORA_TARGETS, lora_target_names, train_forward, train_timestep
+from trueflow.models.ltx2.train import (LORA_TARGET_REGEX, LORA_TARGETS, lora_target_names, train_forward,
+                                        train_timestep)
 from trueflow.models.ltx2.vae import VideoDecoder
 
 PROMPTS = ["a red apple on a wooden table", "  a small cat  "]
@@ -209,6 +211,7 @@ EXPECTED_TARGETS = [f"transformer_blocks.{i}.{m}" for i in range(2) for m in (
 def test_lora_targets_video_stream_only(tmp_path, ckpt):
     model = build_transformer("tiny", 0)
     assert lora_target_names(model) == EXPECTED_TARGETS
+    assert [n for n, _ in model.named_modules() if re.fullmatch(LORA_TARGET_REGEX, n)] == EXPECTED_TARGETS
     # PEFT's bare suffixes would also adapt the audio stream and both cross-modal attentions
     bare = [n for n, _ in model.named_modules() if n.endswith(".to_q")]
     assert any("audio_to_video_attn" in n for n in bare) and any("audio_attn1" in n for n in bare)
@@ -241,7 +244,3 @@ def test_presets():
     assert RECIPE["sampler"] == "cps" and RECIPE["cfg_scale"] == 1.0
     with pytest.raises(ValueError, match="known sizes"):
         transformer_config("huge")
-
-
-def test_connectors_are_diffusers():  # load_text loads the pipeline's own connector class
-    assert LTX2TextConnectors.__module__.startswith("diffusers.")

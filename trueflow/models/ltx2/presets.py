@@ -21,7 +21,8 @@ from torch import nn
 
 from ...checkpoints.random_init import init_weights_
 
-# The real LTX-2.3 transformer (19B; 21B with the text connectors): 48 layers, 32 heads x 128 (4096-wide video), 32 heads x 64 (2048-wide audio).
+# The real LTX-2.3 transformer (19B; 21B with the text connectors): 48 layers, 32 heads x 128 (4096-wide video),
+# 32 heads x 64 (2048-wide audio).
 _FULL: dict[str, Any] = {
     "in_channels": 128,
     "out_channels": 128,
@@ -158,7 +159,8 @@ def build_seeded(make: Callable[[], nn.Module], seed: int, dtype: torch.dtype,
         raise ValueError(f"{type(model).__name__} has buffers; build it directly and use seeded_init_")
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
+            empty = torch.empty(p.shape, dtype=dtype, device=device)
+            mod.register_parameter(name, nn.Parameter(empty, p.requires_grad))
     return seeded_init_(model, seed, device).eval()
 
 

@@ -33,5 +33,6 @@ def ltx2_schedule(scheduler_config: dict, num_steps: int, image_seq_len: int,
         timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, None, sigmas=sigmas, mu=mu)
     if not torch.isfinite(scheduler.sigmas).all():
         # one step with `shift_terminal`: the stretch divides by 1 - sigmas[-1] = 0
-        raise ValueError(f"this scheduler config gives a non-finite schedule for num_steps={num_steps} ({SCHEDULE_NOTE})")
+        raise ValueError(f"this scheduler config gives a non-finite schedule for num_steps={num_steps} "
+                         f"({SCHEDULE_NOTE})")
     return scheduler.sigmas, timesteps

@@ -17,8 +17,6 @@ pass), off the model's joint audio-video distribution; training adapts the video
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -40,8 +38,7 @@ SHARD_UNITS: tuple[str, ...] = ("transformer_blocks",)  # each block one FSDP un
 
 def lora_target_names(model: nn.Module) -> list[str]:
     """The module names LORA_TARGETS selects in `model`, by PEFT's suffix rule."""
-    return [name for name, _ in model.named_modules()
-            if any(name == t or name.endswith("." + t) for t in LORA_TARGETS) and re.fullmatch(LORA_TARGET_REGEX, name)]
+    return [name for name, _ in model.named_modules() if any(name == t or name.endswith("." + t) for t in LORA_TARGETS)]
 
 
 def train_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,8 @@ class VideoDecoder:
         vae = self.vae
         x = unpack_latents(latents, latent_grid(height, width, num_frames)).to(vae.device, self.dtype)
         if vae.config.timestep_conditioning:
-            raise ValueError("a video VAE with timestep conditioning needs the pipeline's decode noise; LTX-2.3's has none")
+            raise ValueError("a video VAE with timestep conditioning needs the pipeline's decode noise; "
+                             "LTX-2.3's has none")
         mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x.device, x.dtype)
         std = vae.latents_std.view(1, -1, 1, 1, 1).to(x.device, x.dtype)
         x = (x * std / vae.config.scaling_factor + mean).to(vae.dtype)
