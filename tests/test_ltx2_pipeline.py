@@ -2,6 +2,7 @@
 tiny checkpoint: the oracle is always what the pipeline computed (recorded with hooks on its transformer), never
 this package's own code."""
 
+import json
 import re
 
 import numpy as np
@@ -223,12 +224,22 @@ def test_lora_targets_video_stream_only(tmp_path, ckpt):
             if "lora_B" in name:
                 p.normal_(generator=torch.Generator().manual_seed(len(name)))
     state = get_peft_model_state_dict(model)
-    LTX2Pipeline.save_lora_weights(tmp_path, transformer_lora_layers=state)
-    pipe = LTX2Pipeline.from_pretrained(ckpt)
+    # as the trainer writes it: the adapter config as metadata, which load_lora_weights reads for alpha
+    metadata = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=list))
+    LTX2Pipeline.save_lora_weights(tmp_path, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata)
+    pipe = LTX2Pipeline.from_pretrained(ckpt)  # its transformer is build_transformer("tiny", 0)
     pipe.load_lora_weights(tmp_path)
     (adapter,) = pipe.transformer.peft_config  # load_lora_weights names it
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=adapter)
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    inputs = probe_inputs(transformer_config("tiny"), 2, 16, 64, torch.float32, 1, "cpu")
+    with torch.no_grad():
+        ours = train_forward(model, inputs["hidden_states"], inputs["timestep"], inputs["grid"], inputs["cond"])
+        theirs = train_forward(pipe.transformer, inputs["hidden_states"], inputs["timestep"], inputs["grid"],
+                               inputs["cond"])
+        model.disable_adapters()
+        base = train_forward(model, inputs["hidden_states"], inputs["timestep"], inputs["grid"], inputs["cond"])
+    assert torch.equal(ours, theirs) and not torch.equal(ours, base)
 
 
 def test_presets():
