@@ -23,10 +23,12 @@ FAMILIES = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/family.py"
 # Engine files allowed to import diffusers: the VAE, for decoding images after the trajectory is recorded, and the
 # schedule, computed by diffusers' own calls — both off the parity-critical path (the transformer, samplers and
 # CFG are the engine's own).
-DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qwen_image/schedule.py"}
+DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qwen_image/schedule.py",
+                        "trueflow/models/ltx2/vae.py", "trueflow/models/ltx2/schedule.py"}
 # A family's train side in its folder: diffusers' reference model built from a preset, and the checkpoint writer.
 # The engine never imports them (the closure test), only the family spec's functions do, when called.
-TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py"}
+TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py",
+                    "trueflow/models/ltx2/presets.py", "trueflow/models/ltx2/checkpoint.py"}
 NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
                "trueflow/models/qwen_image/patches.py", "trueflow/models/qwen_image/latents.py",
                "trueflow/models/qwen_image/train.py", "trueflow/models/weight_map.py", *sorted(
