@@ -246,6 +246,7 @@ def trainer_hooks(cuda: bool, on_record: Callable[[dict, dict], None]) -> Iterat
     """For the duration of a `trueflow train` run: each phase's peak memory (reset when the phase starts, read when
     it ends) and a callback after every metrics line with that step's peaks. Each wrapper calls the method it wraps
     unchanged; every one is put back on exit. Yields {"hooked": [...], "missing": [...]}."""
+    from trueflow.rewards import base as rewards_base
     from trueflow.train import metrics, trainer
 
     peaks: dict[str, float | None] = {}
@@ -286,8 +287,8 @@ def trainer_hooks(cuda: bool, on_record: Callable[[dict, dict], None]) -> Iterat
         on_record(kwargs.get("record", args[-1]), dict(peaks))
         peaks.clear()
 
-    wrap(trainer.Trainer, "_rollout_on_main", begin, None)
-    wrap(trainer, "score", reward_begins, finish("reward"))
+    wrap(trainer.Trainer, "_rollout", begin, None)
+    wrap(rewards_base, "score", reward_begins, finish("reward"))  # what `ScoredEngine` calls, found at call time
     wrap(trainer.Trainer, "_train_step", begin, finish("train"))
     wrap(trainer.Trainer, "_sync", begin, finish("sync"))
     wrap(metrics.MetricsWriter, "write", None, record_written)

@@ -55,7 +55,7 @@ from trueflow.models.qwen_image.presets import build_transformer, transformer_co
 from trueflow.engine.cuda_graph import GraphedForward, capture
 from trueflow.engine.guidance import true_cfg
 from trueflow.engine.samplers import sde_step
-from trueflow.engine.trajectory import model_timestep
+from trueflow.models.qwen_image.train import model_timestep
 from trueflow.engine.weights import build_engine_transformer
 from trueflow.patches import apply_patch_group
 
@@ -119,8 +119,11 @@ def diffusers_step(model, inp: StepInputs) -> Callable[[], tuple]:
 
 
 def engine_step(forward, inp: StepInputs) -> Callable[[], tuple]:
-    return lambda: guided_step(forward(inp.x, inp.pos, inp.t, inp.img_shape),
-                               forward(inp.x, inp.neg, inp.t, inp.img_shape), inp)
+    # Keywords, as the model runner calls the engine model (and `GraphedForward` takes them).
+    def branch(embeds):
+        return forward(hidden_states=inp.x, encoder_hidden_states=embeds, timestep=inp.t, grid=inp.img_shape)
+
+    return lambda: guided_step(branch(inp.pos), branch(inp.neg), inp)
 
 
 def whole_step_graph(step: Callable[[], tuple]) -> Callable[[], tuple]:

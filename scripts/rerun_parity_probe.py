@@ -37,7 +37,7 @@ def main() -> int:
         lora = m["lora"]
         model.add_adapter(LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["target_modules"]))
         set_peft_model_state_dict(model, load_file(str(d / lora["file"])))
-    h, w = m["img_shape"]
+    h, w = m["grid"]
     batch = t["hidden_states"].shape[0]
     with torch.no_grad(), attention_backend(m["train_attention_backend"]):
         out = model(hidden_states=t["hidden_states"], encoder_hidden_states=t["encoder_hidden_states"],

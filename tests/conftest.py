@@ -76,7 +76,8 @@ def randn(shape, seed: int, std: float = 1.0, mean: float = 0.0, dtype: torch.dt
 # -- forwards of both sides on a ParityProbe's inputs ------------------------------------------------------
 @torch.no_grad()
 def engine_forward(engine, inputs: dict) -> torch.Tensor:
-    return engine(inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["timestep"], inputs["img_shape"])
+    return engine(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], grid=inputs["grid"],
+                  **inputs["cond"])
 
 
 def pipeline_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -92,8 +93,8 @@ def train_forward(probe) -> torch.Tensor:
     from trueflow.train import model as train_model
 
     i = probe.inputs
-    return train_model.train_forward(probe.family, probe.train, i["hidden_states"], i["encoder_hidden_states"],
-                                     pipeline_timestep(i["timestep"], probe.spec.torch_dtype()), i["img_shape"],
+    return train_model.train_forward(probe.family, probe.train, i["hidden_states"],
+                                     pipeline_timestep(i["timestep"], probe.spec.torch_dtype()), i["grid"], i["cond"],
                                      backend=probe.train_backend)
 
 

@@ -75,17 +75,18 @@ def test_micro_batch_unlike_the_microgroup_differs_at_real_width():
     (the GEMV path) does. A 16-pixel image is one image token, so a train micro-batch of one sample runs the
     image stream's GEMMs with M=1 while the engine's microgroup runs them with M=4."""
     from trueflow.parity.probe import ParityProbe, ProbeSpec
-    from trueflow.engine.trajectory import model_timestep
+    from trueflow.models.qwen_image.train import model_timestep
     from trueflow.train.model import train_forward
 
     probe = ParityProbe(ProbeSpec(random_size="one_block", batch=4, text_len=7, resolution=16))
     engine = probe.build_engine("qwen_image")
     i = probe.inputs
     with torch.no_grad():
-        rollout = engine(i["hidden_states"], i["encoder_hidden_states"], i["timestep"], i["img_shape"])
+        rollout = engine(hidden_states=i["hidden_states"], timestep=i["timestep"], grid=i["grid"], **i["cond"])
         ts = model_timestep(i["timestep"], torch.bfloat16)
-        singles = [train_forward(probe.family, probe.train, i["hidden_states"][s:s + 1], i["encoder_hidden_states"][s:s + 1],
-                                 ts[s:s + 1], i["img_shape"]) for s in range(4)]
+        singles = [train_forward(probe.family, probe.train, i["hidden_states"][s:s + 1], ts[s:s + 1], i["grid"],
+                                 {"encoder_hidden_states": i["cond"]["encoder_hidden_states"][s:s + 1]})
+                   for s in range(4)]
     assert torch.equal(rollout, probe.train_output)  # micro-batch == microgroup: bitwise
     assert not torch.equal(rollout, torch.cat(singles))  # four micro-batches of 1: not
 

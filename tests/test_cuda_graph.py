@@ -26,11 +26,13 @@ def engine(tiny, device: str, group: str = "none"):
     return build_engine_transformer(tiny[0], tiny[1], device, BF16, group)
 
 
-def inputs(config: dict, batch: int, text_len: int, side: int, device: str, seed: int = 0) -> tuple:
+def inputs(config: dict, batch: int, text_len: int, side: int, device: str, seed: int = 0) -> dict:
+    """The forward's keyword arguments, as the model runner passes them."""
     hs = randn((batch, side * side, config["in_channels"]), seed).to(device)
     ehs = randn((batch, text_len, config["joint_attention_dim"]), seed + 1).to(device)
     t = torch.tensor([731.25], device=device).expand(batch)  # as the engine passes it: one timestep, expanded
-    return hs, ehs, t, (side, side)
+    return {"hidden_states": hs, "timestep": t, "grid": (side, side), "encoder_hidden_states": ehs,
+            "encoder_hidden_states_mask": None}
 
 
 def peft_lora(config: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
@@ -53,7 +55,7 @@ def test_cpu_runs_eagerly(tiny):
     model = engine(tiny, "cpu")
     graphed = GraphedForward(model)
     x = inputs(tiny[0], 2, 7, 4, "cpu")
-    assert_bitwise(graphed(*x), model(*x), "CPU GraphedForward vs eager")
+    assert_bitwise(graphed(**x), model(**x), "CPU GraphedForward vs eager")
     assert graphed.captures == 0 and not graphed.graphs
 
 
@@ -96,9 +98,9 @@ def test_replay_is_bitwise_eager(tiny, group, batch):
     for text_len, side in shapes:
         for seed in (0, 1):  # new inputs into the same graph
             x = inputs(tiny[0], batch, text_len, side, "cuda", seed)
-            assert_bitwise(graphed(*x), model(*x), f"{group} b{batch} text {text_len} side {side} seed {seed}")
+            assert_bitwise(graphed(**x), model(**x), f"{group} b{batch} text {text_len} side {side} seed {seed}")
     assert graphed.captures == len(shapes)
-    pos, neg = graphed(*inputs(tiny[0], batch, 7, 4, "cuda", 0)), graphed(*inputs(tiny[0], batch, 7, 4, "cuda", 1))
+    pos, neg = graphed(**inputs(tiny[0], batch, 7, 4, "cuda", 0)), graphed(**inputs(tiny[0], batch, 7, 4, "cuda", 1))
     assert not torch.equal(pos, neg), "the second branch's replay overwrote the first branch's output"
 
 
@@ -116,8 +118,8 @@ def test_replay_after_lora_updates(tiny, group):
     outs = []
     for step, rank in enumerate((4, 4, 4, 8)):
         update_lora(model, peft_lora(tiny[0], rank, seed=step), scale=1.0)
-        outs.append(graphed(*x))
-        assert_bitwise(outs[-1], model(*x), f"{group} after LoRA update {step}")
+        outs.append(graphed(**x))
+        assert_bitwise(outs[-1], model(**x), f"{group} after LoRA update {step}")
         if step == 2:
             assert (graphed.captures, graphed.invalidations) == (1, 0), "a same-shape update re-captured"
     assert not torch.equal(outs[1], outs[2]), "the replay did not see the update"
@@ -132,9 +134,9 @@ def test_eager_when_disabled_or_grad(tiny):
     model = engine(tiny, "cuda")
     x = inputs(tiny[0], 1, 7, 4, "cuda")
     off = GraphedForward(model, enabled=False)
-    assert_bitwise(off(*x), model(*x), "disabled")
+    assert_bitwise(off(**x), model(**x), "disabled")
     graphed = GraphedForward(model)
     with torch.enable_grad():
-        graphed(*x)
+        graphed(**x)
     assert off.captures == graphed.captures == 0
 

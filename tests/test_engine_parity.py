@@ -43,7 +43,7 @@ def test_group_is_bitwise_and_none_is_not(tiny_checkpoint, batch, text_len, reso
                                   resolution=resolution))
     side = resolution // 16
     assert probe.inputs["hidden_states"].shape == (batch, side * side, 64)
-    assert probe.inputs["encoder_hidden_states"].shape[:2] == (batch, text_len)
+    assert probe.inputs["cond"]["encoder_hidden_states"].shape[:2] == (batch, text_len)
     assert probe.train_backend == "_native_flash"
     result, out = probe.run("qwen_image")
     assert_bitwise_result(probe, result, out)

@@ -13,15 +13,18 @@ from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from diffusers.models.attention_dispatch import attention_backend
 
 from conftest import BF16, assert_bitwise, assert_differs, pipeline_timestep, randn
+from trueflow.engine.interface import RolloutRequest
 from trueflow.collate import collate_text, warn_if_masked
 from trueflow.engine.engine import Engine, SamplingParams
 from trueflow.engine.guidance import true_cfg
 from trueflow.engine.samplers import cps_log_prob, sde_log_prob
-from trueflow.engine.trajectory import model_timestep
+from trueflow.models.qwen_image.train import model_timestep
 from trueflow.loading import read_transformer_state_dict
 from trueflow.models.qwen_image.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX, encode_prompts
 from trueflow.train.batch import assemble
-from trueflow.train.pairs import micro_batches, rank_samples
+from trueflow.engine.sampling_params import check_family_limits
+from trueflow.models import default_family
+from trueflow.train.pairs import micro_batches, train_order
 
 PROMPTS = ["a red apple on a wooden table", "a cat", "an old lighthouse on a rocky coast at sunset, waves below"]
 
@@ -119,10 +122,12 @@ def test_vae_decode_is_the_pipelines(exact, pipe):
 
 # -- the denoise loop against diffusers' pipeline --------------------------------------------------------------
 def _pipeline_final_latents(pipe, mg, steps: int, cfg_scale: float) -> torch.Tensor:
-    negative = dict(negative_prompt_embeds=mg.negative_prompt_embeds,
-                    negative_prompt_embeds_mask=mg.negative_prompt_mask) if cfg_scale > 1 else {}
+    neg = mg.negative_cond
+    negative = dict(negative_prompt_embeds=neg["encoder_hidden_states"],
+                    negative_prompt_embeds_mask=neg["encoder_hidden_states_mask"]) if cfg_scale > 1 else {}
     with attention_backend("_native_flash"):
-        return pipe(prompt_embeds=mg.prompt_embeds, prompt_embeds_mask=mg.prompt_mask, latents=mg.latents[0],
+        return pipe(prompt_embeds=mg.cond["encoder_hidden_states"],
+                    prompt_embeds_mask=mg.cond["encoder_hidden_states_mask"], latents=mg.latents[0],
                     height=64, width=64, num_inference_steps=steps, true_cfg_scale=cfg_scale, output_type="latent",
                     **negative).images
 
@@ -130,13 +135,13 @@ def _pipeline_final_latents(pipe, mg, steps: int, cfg_scale: float) -> torch.Ten
 @pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
 def test_ode_rollout_is_the_pipeline_bitwise_under_the_patch_group(exact, fast, pipe, cfg_scale):
     params = SamplingParams(steps=6, sampler="ode", cfg_scale=cfg_scale)
-    mg = exact.rollout(PROMPTS[:1], 2, params, seed=3, decode=False).microgroups[0]
-    assert (mg.negative_prompt_embeds is not None) == (cfg_scale > 1)
+    mg = exact.rollout(RolloutRequest(PROMPTS[:1], 2, params, seed=3, decode=False)).microgroups[0]
+    assert (mg.negative_cond is not None) == (cfg_scale > 1)
     assert_bitwise(mg.latents[-1], _pipeline_final_latents(pipe, mg, 6, cfg_scale), "final latents")
     # the failing side: the engine's fast numerics, from the same embeddings and noise
-    fast_mg = fast.rollout(PROMPTS[:1], 2, params, seed=3, decode=False).microgroups[0]
+    fast_mg = fast.rollout(RolloutRequest(PROMPTS[:1], 2, params, seed=3, decode=False)).microgroups[0]
     assert_bitwise(fast_mg.latents[0], mg.latents[0], "initial noise")
-    assert_bitwise(fast_mg.prompt_embeds, mg.prompt_embeds, "prompt embeddings")
+    assert_bitwise(fast_mg.cond["encoder_hidden_states"], mg.cond["encoder_hidden_states"], "prompt embeddings")
     assert_differs(fast_mg.latents[-1], _pipeline_final_latents(pipe, fast_mg, 6, cfg_scale), "patch group none")
 
 
@@ -145,12 +150,15 @@ SDE = SamplingParams(steps=4, sampler="sde", noise_level=0.9, num_sde_steps=2, r
 
 
 def test_same_seed_same_rollout_bitwise(fast):
-    a, b = (fast.rollout(PROMPTS[:2], 2, SDE, seed=5, decode=False) for _ in range(2))
-    other = fast.rollout(PROMPTS[:2], 2, SDE, seed=6, decode=False)
+    a, b = (fast.rollout(RolloutRequest(PROMPTS[:2], 2, SDE, seed=5, decode=False)) for _ in range(2))
+    other = fast.rollout(RolloutRequest(PROMPTS[:2], 2, SDE, seed=6, decode=False))
     for x, y, z in zip(a.microgroups, b.microgroups, other.microgroups, strict=True):
         assert x.sde_steps == y.sde_steps
-        for name in ("latents", "log_probs", "guided_outputs", "prompt_embeds", "negative_prompt_embeds"):
+        for name in ("latents", "log_probs", "guided_outputs"):
             assert_bitwise(getattr(x, name), getattr(y, name), name)
+        for branch in ("cond", "negative_cond"):
+            assert_bitwise(getattr(x, branch)["encoder_hidden_states"], getattr(y, branch)["encoder_hidden_states"],
+                           branch)
         assert_differs(x.latents[0], z.latents[0], "another seed")
 
 
@@ -158,8 +166,9 @@ def test_a_samples_noise_does_not_depend_on_its_batch(fast):
     params = SamplingParams(steps=2, sampler="sde", cfg_scale=1.0)  # every step stochastic: no window draw
 
     def noise_by_sample(n: int, size: int) -> dict[int, list[torch.Tensor]]:
-        run = fast.rollout(PROMPTS[:2], n, replace(params, rollout_microgroup_size=size), 9, decode=False,
-                           record_snapshot=True)
+        run = fast.rollout(RolloutRequest(PROMPTS[:2], n, replace(params, rollout_microgroup_size=size), 9,
+                                          decode=False,
+                           record_snapshot=True))
         out = {}
         for mg in run.microgroups:
             for row, i in enumerate(mg.sample_indices):
@@ -178,7 +187,7 @@ def test_a_samples_noise_does_not_depend_on_its_batch(fast):
 @pytest.mark.parametrize("sampler", ["sde", "cps"])
 def test_log_probs_equal_rescoring_the_recorded_transitions(fast, sampler):
     params = replace(SDE, sampler=sampler)
-    rollout = fast.rollout(PROMPTS[:1], 2, params, seed=1, decode=False)
+    rollout = fast.rollout(RolloutRequest(PROMPTS[:1], 2, params, seed=1, decode=False))
     steps = 0
     for b in _train_batches(rollout):
         if sampler == "sde":
@@ -197,20 +206,21 @@ def _train_batches(rollout):
     sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
     slots = len(rollout.microgroups[0].sde_steps)
     advantages = torch.zeros(sum(sizes))
-    return [assemble(rollout, rows, advantages, torch.device("cpu"))
-            for rows in micro_batches(rank_samples(sizes, 1, 0, "contiguous"), slots, sizes[0], 1)]
+    return [assemble(rollout, rows, advantages, torch.device("cpu"), default_family())
+            for rows in micro_batches(train_order(sizes, "contiguous"), slots, sizes[0], 1)]
 
 
 # -- the record ------------------------------------------------------------------------------------------------
 def test_rollout_layout(fast, tiny_checkpoint):
-    rollout = fast.rollout(PROMPTS[:2], 4, SDE, seed=2)
+    rollout = fast.rollout(RolloutRequest(PROMPTS[:2], 4, SDE, seed=2))
     assert rollout.images.shape == (8, 64, 64, 3) and rollout.images.dtype == torch.uint8
     assert [(mg.prompt_index, mg.sample_indices) for mg in rollout.microgroups] == \
         [(0, [0, 1]), (0, [2, 3]), (1, [4, 5]), (1, [6, 7])]
     mg = rollout.microgroups[0]
     assert mg.latents.shape == (5, 2, 16, 64) and mg.latents.dtype == BF16
     assert mg.sigmas.shape == (5,) and mg.timesteps.shape == (4,) and mg.log_probs.shape == (4, 2)
-    assert mg.img_shape == (4, 4) and mg.prompt_mask is None and mg.negative_prompt_mask is None
+    assert mg.grid == (4, 4) and mg.cond["encoder_hidden_states_mask"] is None
+    assert mg.negative_cond["encoder_hidden_states_mask"] is None
     assert len(mg.sde_steps) == 2 and mg.guided_outputs.shape == (2, 2, 16, 64)
     assert all((mg.log_probs[t] == 0).all() for t in range(4) if t not in mg.sde_steps)
     assert all((mg.log_probs[t] != 0).all() for t in mg.sde_steps)
@@ -220,7 +230,7 @@ def test_rollout_layout(fast, tiny_checkpoint):
     assert [r.sample for r in b.rows] == [0, 1]
     assert_bitwise(b.timestep, pipeline_timestep(mg.timesteps[step], BF16).expand(2), "diffusers' timestep")
     assert torch.equal(b.timestep, model_timestep(mg.timesteps[step], BF16).expand(2))
-    ode = fast.rollout(PROMPTS[:1], 1, SamplingParams(steps=2, sampler="ode"), seed=2, decode=False)
+    ode = fast.rollout(RolloutRequest(PROMPTS[:1], 1, SamplingParams(steps=2, sampler="ode"), seed=2, decode=False))
     assert ode.images is None and ode.microgroups[0].sde_steps == [] and not ode.microgroups[0].guided_outputs.numel()
 
 
@@ -232,18 +242,31 @@ def test_rollout_layout(fast, tiny_checkpoint):
     ({"num_sde_steps": 11}, "num_sde_steps"),
     ({"sde_window": (0, 4)}, "needs num_sde_steps"),
     ({"num_sde_steps": 3, "sde_window": (2, 4)}, "sde_window"),
-    ({"height": 72}, "multiple of 16"),
-    ({"max_sequence_length": 2000}, "max_sequence_length"),
     ({"rollout_microgroup_size": 0}, "rollout_microgroup_size"),
+    ({"num_frames": 0}, "num_frames must be >= 1"),
 ])
 def test_sampling_params_refuse_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"height": 72}, "multiple of 16"),
+    ({"max_sequence_length": 2000}, "max_sequence_length"),
+    ({"num_frames": 9}, "Qwen-Image makes images: num_frames must be 1"),
+])
+def test_the_engine_refuses_what_its_family_cannot_make(fast, kwargs, match):
+    """Rules of one family are checked against the engine's family (a `SamplingParams` carries none)."""
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        check_family_limits(params, default_family())
+    with pytest.raises(ValueError, match=match):
+        fast.rollout(RolloutRequest(["x"], 1, params, seed=0))
+
+
 def test_rollout_refuses_a_microgroup_that_does_not_divide_the_group(fast):
     with pytest.raises(ValueError, match="multiple of rollout_microgroup_size"):
-        fast.rollout(["x"], 3, SamplingParams(rollout_microgroup_size=2), seed=0)
+        fast.rollout(RolloutRequest(["x"], 3, SamplingParams(rollout_microgroup_size=2), seed=0))
 
 
 def test_weights_checksum_tracks_weights_and_lora(tiny_checkpoint, fast):

@@ -24,7 +24,7 @@ def test_registry_finds_the_shipped_families_by_scanning():
     assert "qwen_image" in found and default_family() is found["qwen_image"]
     shipped = {p.parent.name for p in (Path(registry.__file__).parent).glob("*/family.py")}
     assert set(found) == shipped
-    with pytest.raises(ValueError, match="unknown model family 'flux'; valid families: qwen_image"):
+    with pytest.raises(ValueError, match="unknown model family 'flux'; valid families: ltx2, qwen_image"):
         get_family("flux")
 
 

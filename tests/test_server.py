@@ -26,6 +26,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from conftest import BF16, TEST_THREADS, TRUEFLOW_EXE, assert_bitwise, assert_differs, randn
+from trueflow.engine.interface import RolloutRequest
 from trueflow.engine import wire
 from trueflow.engine.engine import Engine, SamplingParams
 from trueflow.engine.server import Limits, ServerError, create_app, push_lora, push_weights, remote_rollout
@@ -92,6 +93,12 @@ def assert_same_rollout(actual: Rollout, expected: Rollout) -> None:
                             assert_bitwise(u, v, f"mg{m} step{t} {g.name}")
             elif isinstance(y, torch.Tensor):
                 assert_bitwise(x, y, f"mg{m} {f.name}")
+            elif isinstance(y, dict):  # a branch's conditioning: the same names, each entry bitwise or both None
+                assert x.keys() == y.keys(), f"mg{m} {f.name}"
+                for k in y:
+                    assert (x[k] is None) == (y[k] is None), f"mg{m} {f.name}.{k}"
+                    if y[k] is not None:
+                        assert_bitwise(x[k], y[k], f"mg{m} {f.name}.{k}")
             else:
                 assert x == y and type(x) is type(y), f"mg{m} {f.name}: {x!r} != {y!r}"
 
@@ -110,7 +117,7 @@ def checksums(url: str) -> dict:
 # -- health and rollouts ---------------------------------------------------------------------------------------
 def test_health(url, tiny_checkpoint):
     health = httpx.get(f"{url}/health").json()
-    assert health == {"status": "ok", "checkpoint": str(tiny_checkpoint), "patch_group": "none",
+    assert health == {"status": "ok", "checkpoint": str(tiny_checkpoint), "family": "qwen_image", "patch_group": "none",
                       "disabled_patches": [], "patches_applied": [], "dtype": "bfloat16", "device": "cpu",
                       "threads": TEST_THREADS, "busy": False, "queue_depth": 0, "running_for_s": None,
                       "limits": {"max_steps": 100, "max_pixels": 2048 * 2048, "max_frames": 1,
@@ -120,15 +127,15 @@ def test_health(url, tiny_checkpoint):
 
 def test_rollout_round_trip_is_bitwise(url, reference):
     args = (["a red apple", "a cat"], 2, PARAMS, 7)
-    served = remote_rollout(url, *args, record_snapshot=True)
-    expected = reference.rollout(*args, record_snapshot=True)
+    served = remote_rollout(url, RolloutRequest(*args, record_snapshot=True))
+    expected = reference.rollout(RolloutRequest(*args, record_snapshot=True))
     assert_same_rollout(served, expected)
     assert served.engine["lora_checksum"] == NO_LORA
     assert len(served.microgroups) == 4 and all(mg.records for mg in served.microgroups)
     # The codec alone, on a rollout with the optional parts absent (no CFG, no SDE step, no images).
-    bare = reference.rollout(["x"], 1, SamplingParams(steps=2, sampler="ode", cfg_scale=1, height=32, width=32), 0,
-                             decode=False)
-    assert bare.microgroups[0].negative_prompt_embeds is None and bare.microgroups[0].guided_outputs.numel() == 0
+    bare = reference.rollout(RolloutRequest(["x"], 1, SamplingParams(steps=2, sampler="ode", cfg_scale=1, height=32,
+                                                                      width=32), 0, decode=False))
+    assert bare.microgroups[0].negative_cond is None and bare.microgroups[0].guided_outputs.numel() == 0
     assert_same_rollout(wire.decode_rollout(wire.encode_rollout(bare)), bare)
 
 
@@ -136,9 +143,9 @@ def test_concurrent_rollouts_equal_their_sequential_results(url, reference):
     requests = [(["a cat"], 2, PARAMS, 1),
                 (["a lighthouse at dusk"], 1, SamplingParams(steps=3, sampler="ode", height=32, width=48), 2)]
     with ThreadPoolExecutor(len(requests)) as pool:
-        served = list(pool.map(lambda args: remote_rollout(url, *args), requests))
+        served = list(pool.map(lambda args: remote_rollout(url, RolloutRequest(*args)), requests))
     for args, out in zip(requests, served):
-        assert_same_rollout(out, reference.rollout(*args))
+        assert_same_rollout(out, reference.rollout(RolloutRequest(*args)))
     assert httpx.get(f"{url}/health").json()["queue_depth"] == 0
 
 
@@ -151,8 +158,8 @@ def test_openai_images(url, reference):
     assert isinstance(body["created"], int) and body["seed"] == 5 and len(body["data"]) == 2
     pngs = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in body["data"]]
     assert all(p.format == "PNG" and p.size == (48, 32) and p.mode == "RGB" for p in pngs)  # (width, height)
-    expected = reference.rollout(["a cat"], 2, SamplingParams(steps=2, cfg_scale=1.5, sampler="ode",
-                                                              negative_prompt="blurry", height=32, width=48), 5)
+    expected = reference.rollout(RolloutRequest(["a cat"], 2, SamplingParams(steps=2, cfg_scale=1.5, sampler="ode",
+                                                              negative_prompt="blurry", height=32, width=48), 5))
     for png, image in zip(pngs, expected.images):
         assert np.array_equal(np.asarray(png), image.numpy())  # PNG is lossless: the engine's pixels exactly
 
@@ -225,10 +232,11 @@ def test_lora_update_by_file_and_by_ipc(fresh_url, reference, tiny_checkpoint, t
     ref = Engine(tiny_checkpoint)
     ref.update_lora(other, scale=1.0, merge_mode="unmerged")
     args = (["a cat"], 1, PARAMS, 3)
-    served = remote_rollout(fresh_url, *args)
-    assert_same_rollout(served, ref.rollout(*args))
+    served = remote_rollout(fresh_url, RolloutRequest(*args))
+    assert_same_rollout(served, ref.rollout(RolloutRequest(*args)))
     assert served.engine["lora_checksum"] == tensors_checksum(other)
-    assert_differs(served.microgroups[0].latents, reference.rollout(*args).microgroups[0].latents, "LoRA vs base")
+    without = reference.rollout(RolloutRequest(*args))
+    assert_differs(served.microgroups[0].latents, without.microgroups[0].latents, "LoRA vs base")
 
     # Full weights by path (a checkpoint folder) drop the LoRA: back to the base checksum.
     r = httpx.post(f"{fresh_url}/weights/full", json={"path": str(tiny_checkpoint)}, timeout=60)
@@ -297,7 +305,7 @@ def test_ipc_handles_are_taken_from_loopback_clients_only(reference):
 def test_an_update_never_lands_inside_a_rollout(fresh_url, reference):
     args = (["a cat", "a dog"], 2, PARAMS, 11)
     result = {}
-    thread = threading.Thread(target=lambda: result.update(out=remote_rollout(fresh_url, *args)))
+    thread = threading.Thread(target=lambda: result.update(out=remote_rollout(fresh_url, RolloutRequest(*args))))
     thread.start()
     deadline = time.monotonic() + 30
     while httpx.get(f"{fresh_url}/health").json()["queue_depth"] == 0:  # the rollout is queued or running
@@ -307,7 +315,7 @@ def test_an_update_never_lands_inside_a_rollout(fresh_url, reference):
     thread.join(60)
     assert not thread.is_alive()  # the push answered after the rollout: one worker, in arrival order
     assert result["out"].engine["lora_checksum"] == NO_LORA
-    assert_same_rollout(result["out"], reference.rollout(*args))  # every step ran with the old weights
+    assert_same_rollout(result["out"], reference.rollout(RolloutRequest(*args)))  # every step ran with the old weights
 
 
 # -- the command line, in another process: IPC handles really cross a process boundary --------------------------

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from trueflow.cli import build_parser, main
 from trueflow.engine.engine import Engine, SamplingParams
-from trueflow.engine.server import Limits, RequestError, RolloutRequest, create_app
+from trueflow.engine.server import Limits, RequestError, RolloutBody, create_app
 from trueflow.http import MSGPACK, serve_in_thread
 
 LIMITS = Limits(max_steps=3, max_pixels=32 * 48, max_frames=1, max_prompt_tokens=6, max_samples=2, max_queue=16,
@@ -147,11 +147,11 @@ def test_the_audits_requests_are_refused_at_once_under_the_default_limits(engine
 
 
 def test_frames_are_bounded():
-    params = SamplingParams(steps=2, height=32, width=32)
-    Limits(max_frames=1).check(1, params, ["a"], frames=1)
+    one, two = SamplingParams(steps=2, height=32, width=32), SamplingParams(steps=2, height=32, width=32, num_frames=2)
+    Limits(max_frames=1).check(1, one, ["a"])
     with pytest.raises(RequestError, match=r"2 frames; .* at most 1 \(--max-frames\)"):
-        Limits(max_frames=1).check(1, params, ["a"], frames=2)
-    Limits(max_frames=2).check(1, params, ["a"], frames=2)
+        Limits(max_frames=1).check(1, two, ["a"])
+    Limits(max_frames=2).check(1, two, ["a"])
 
 
 def test_limits_are_validated_and_the_flags_default_to_them(capsys):
@@ -204,8 +204,8 @@ def test_request_fields_are_strictly_typed(url, route, change, match):
 
 
 def test_the_rollout_request_serves_every_sampling_field_with_its_default():
-    served = {k: f.default for k, f in RolloutRequest.model_fields.items()
-              if k not in ("prompts", "n_per_prompt", "seed", "decode", "record_snapshot")}
+    served = {k: f.default for k, f in RolloutBody.model_fields.items()
+              if k not in ("prompts", "n_per_prompt", "seed", "first_prompt", "decode", "record_snapshot")}
     assert served == vars(SamplingParams())
 
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import assert_bitwise
+from trueflow.engine.interface import RolloutRequest
 from trueflow.cli import main
 from trueflow.engine.engine import Engine, SamplingParams
 from trueflow.engine.samplers import sde_log_prob
@@ -80,7 +81,8 @@ def test_every_key_is_documented(snapshot):
         want = [dims.get(d.strip()) for d in shape.strip("[]").split(",") if d.strip()]
         assert dtypes[dtype] == value.dtype and len(want) == value.ndim, key
         assert all(w in (None, n) for w, n in zip(want, value.shape)), key
-    assert used == {k for k in rows if "mask" not in k}  # masks are absent: one prompt per microgroup
+    # masks are absent (one prompt per microgroup), rewards too (`generate` does not score; the trainer's do)
+    assert used == {k for k in rows if "mask" not in k and not k.endswith("/rewards")}
     for field in meta:
         assert f"| `{field}` |" in doc, f"metadata field {field} is not documented"
 
@@ -124,7 +126,7 @@ def test_snapshot_rescoring_gives_the_recorded_log_prob_mean_and_std(snapshot):
 
 
 def test_save_snapshot_needs_a_recorded_rollout(tiny_checkpoint, tmp_path):
-    rollout = Engine(tiny_checkpoint).rollout(["x"], 1, SamplingParams(steps=2), seed=0, decode=False)
+    rollout = Engine(tiny_checkpoint).rollout(RolloutRequest(["x"], 1, SamplingParams(steps=2), seed=0, decode=False))
     with pytest.raises(ValueError, match="record_snapshot=True"):
         save_snapshot(rollout, tmp_path / "s.safetensors")
 

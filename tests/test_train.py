@@ -3,6 +3,7 @@ and the placement that must not change a single bit (engine process, 2 FSDP rank
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def embedded_run(tiny_checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("embedded")
     with warnings.catch_warnings():
         warnings.simplefilter("error", ParityConditionWarning)  # the aligned defaults break no condition
-        rows = train(tmp, tiny_checkpoint, num_rollouts=3, save_every=1)
+        rows = train(tmp, tiny_checkpoint, num_rollouts=3, save_every=1, debug=True)  # debug: rollout snapshots
     return tmp / "run", rows
 
 
@@ -80,7 +81,7 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
     from trueflow.train.checkpoint import latest_checkpoint, load_checkpoint
     from trueflow.models import get_family
     from trueflow.train.model import train_forward
-    from trueflow.engine.trajectory import model_timestep
+    from trueflow.models.qwen_image.train import model_timestep
     from trueflow.engine.weights import load_engine_transformer, update_lora
 
     out, _ = embedded_run
@@ -91,18 +92,66 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
     inputs = make_inputs(pipe.transformer.config, 4, 7, 64, torch.bfloat16, 0, "cpu")
     ts = model_timestep(inputs["timestep"], torch.bfloat16)
     with torch.no_grad():
-        base = train_forward(qwen, pipe.transformer, inputs["hidden_states"], inputs["encoder_hidden_states"], ts,
-                             inputs["img_shape"])
+        base = train_forward(qwen, pipe.transformer, inputs["hidden_states"], ts, inputs["grid"], inputs["cond"])
         pipe.load_lora_weights(ckpt)
-        trained = train_forward(qwen, pipe.transformer, inputs["hidden_states"], inputs["encoder_hidden_states"], ts,
-                                inputs["img_shape"])
+        trained = train_forward(qwen, pipe.transformer, inputs["hidden_states"], ts, inputs["grid"], inputs["cond"])
     engine = load_engine_transformer(tiny_checkpoint, patch_group="qwen_image")
     lora, _, _ = load_checkpoint(ckpt)
     update_lora(engine, {k: v.to(torch.bfloat16) for k, v in lora.items()}, scale=1.0)
     with torch.no_grad():
-        ours = engine(inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["timestep"], inputs["img_shape"])
+        ours = engine(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], grid=inputs["grid"],
+                      **inputs["cond"])
     assert torch.equal(trained, ours)
     assert not torch.equal(trained, base), "the trained LoRA changes the forward"
+
+
+def torchrun(out, checkpoint, *flags: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m trueflow train` with the FAST settings, on loopback."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+    # An explicit free port: torchrun's `--master-port 0` leaves the ranks waiting for each other.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "trueflow", "train", "--checkpoint", str(checkpoint),
+           "--output-dir", str(out), "--num-rollouts", "3", *cli_flags(**FAST), *flags]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_same_metrics(rows: list[dict], embedded: list[dict]) -> None:
+    """Placement changes nothing: the same weights (checksums), rewards and parity metrics, bit for bit, as the
+    one-process run. Only sums over sharded or per-rank pieces (grad norm, mean loss) are added in another order,
+    so they agree to float rounding."""
+    order_dependent = ("grad_norm", "loss", "kl")
+    exact = lambda rs: [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+    assert exact(rows) == exact(embedded)
+    for r, e in zip(rows, embedded):
+        for k in order_dependent:
+            assert r[k] == pytest.approx(e[k], rel=1e-5, abs=1e-7), k
+
+
+def test_two_ranks_each_roll_out_their_own_share(embedded_run, tiny_checkpoint, tmp_path):
+    """torchrun, 2 gloo ranks, an engine in each rank's process: each engine rolls out only its rank's prompt (its
+    snapshots hold that prompt's 4 samples alone), the run is bitwise at every step and exits 0, and the samples
+    equal the one-rank run's bit for bit (log-probs, latents, rewards), as do the metrics."""
+    from safetensors import safe_open
+
+    embedded_out, embedded = embedded_run
+    out = tmp_path / "run"
+    proc = torchrun(out, tiny_checkpoint, "--debug")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert_bitwise_run(rows, 3)
+    assert_same_metrics(rows, embedded)
+    for index in range(3):
+        with safe_open(embedded_out / "snapshots" / f"rollout-{index:05d}.safetensors", "pt") as f:
+            whole = {k: f.get_tensor(k) for k in f.keys()}
+        for rank in (0, 1):
+            with safe_open(out / "snapshots" / f"rollout-{index:05d}-rank{rank}.safetensors", "pt") as f:
+                meta = json.loads(f.metadata()["trueflow"])
+                share = {k: f.get_tensor(k) for k in f.keys()}
+            assert meta["first_prompt"] == rank and meta["n_per_prompt"] == 4 and len(meta["prompts"]) == 1
+            assert [mg["sample_indices"] for mg in meta["microgroups"]] == [[0, 1, 2, 3]]
+            # The rank's microgroup is microgroup `rank` of the one-rank rollout, bit for bit.
+            for key in ("log_probs", "rewards", "final_latents", "step0/latents"):
+                assert torch.equal(share[f"mg0/{key}"], whole[f"mg{rank}/{key}"]), (index, rank, key)
 
 
 def test_two_fsdp_ranks_with_the_engine_in_its_own_process(embedded_run, tiny_checkpoint, tmp_path):
@@ -110,24 +159,11 @@ def test_two_fsdp_ranks_with_the_engine_in_its_own_process(embedded_run, tiny_ch
     bitwise at every step, and the very metrics of the one-process run."""
     _, embedded = embedded_run
     out = tmp_path / "run"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
-    # An explicit free port: torchrun's `--master-port 0` leaves the ranks waiting for each other.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "trueflow", "train", "--checkpoint", str(tiny_checkpoint),
-           "--output-dir", str(out), "--engine-process", "--num-rollouts", "3", *cli_flags(**FAST)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(out, tiny_checkpoint, "--engine-process")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert_bitwise_run(rows, 3)
-    # Placement changes nothing: the same weights (checksums), rewards and parity metrics, bit for bit, as the
-    # one-process run. Only sums over sharded or per-rank pieces (grad norm, mean loss) are added in another
-    # order, so they agree to float rounding.
-    order_dependent = ("grad_norm", "loss", "kl")
-    exact = lambda rs: [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
-    assert exact(rows) == exact(embedded)
-    for r, e in zip(rows, embedded):
-        for k in order_dependent:
-            assert r[k] == pytest.approx(e[k], rel=1e-5, abs=1e-7), k
+    assert_same_metrics(rows, embedded)
 
 
 # -- bad input ----------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import BF16, randn
+from trueflow.engine.interface import RolloutRequest
 from trueflow.engine.engine import Engine, SamplingParams
 from trueflow.layers.linear import Linear
 from trueflow.loading import read_transformer_state_dict
@@ -53,12 +54,12 @@ def with_value(t: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tenso
 def checksums(engine) -> tuple[str, ...]:
     """Weights (parameters, LoRA tensors, scales) and LoRA checksums; the engine process exposes the latter."""
     return (engine.weights_checksum(), engine.lora_checksum()) if isinstance(engine, Engine) else \
-        (engine.lora_checksum(),)
+        (engine.checksum(),)
 
 
 def fingerprint(engine) -> tuple:
     """What a refused update must not change: the checksums and a seeded rollout's latents and log-probs."""
-    mg = engine.rollout(["a red apple"], 1, PARAMS, seed=7, decode=False).microgroups[0]
+    mg = engine.rollout(RolloutRequest(["a red apple"], 1, PARAMS, seed=7, decode=False)).microgroups[0]
     return checksums(engine), mg.latents, mg.log_probs
 
 
@@ -207,12 +208,12 @@ def test_updates_from_files_and_buckets_are_refused_alike(engine, tiny_checkpoin
 def client(tiny_checkpoint):
     c = EngineClient(str(tiny_checkpoint))
     yield c
-    c.close()
+    c.shutdown()
 
 
 def test_refused_updates_over_ipc_change_nothing(client, engine):
     good = make_lora(engine, 0)
-    checksum = client.update_lora(good, 0.5)
+    checksum = client.update_weights(good, 0.5)
     before = fingerprint(client)
     assert before[0] == (checksum,)
     cases = bad_lora_updates(engine)
@@ -221,10 +222,10 @@ def test_refused_updates_over_ipc_change_nothing(client, engine):
         update, scale, reason = cases[what]
         for merge_mode in ("merged", "unmerged"):
             with pytest.raises(EngineRequestRefused) as info:
-                client.update_lora(update, scale, merge_mode)
+                client.update_weights(update, scale, merge_mode)
             assert isinstance(info.value, ValueError) and reason in str(info.value), (what, str(info.value))
             assert "Traceback" not in str(info.value)
             assert checksums(client) == before[0], (what, merge_mode)
     assert_same(fingerprint(client), before, "after every refused update over IPC")
-    client.update_lora(make_lora(engine, 100), 1.0)  # the failing side
+    client.update_weights(make_lora(engine, 100), 1.0)  # the failing side
     assert_changed(fingerprint(client), before, "a valid update over IPC")

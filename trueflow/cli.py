@@ -87,10 +87,13 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--negative-prompt", default=" ", help="negative prompt of true CFG (default: ' ')")
     p.add_argument("--num-images", type=int, default=1, help="images of the prompt, run as one batch (default: 1)")
     add_sampling_options(p)
-    p.add_argument("--resolution", type=int, default=64, help="image side in pixels, a multiple of 16 (default: 64)")
+    p.add_argument("--resolution", type=int, default=64, help="image side in pixels, a multiple of the family's "
+                   "granule (Qwen-Image 16, LTX-2.3 32; default: 64)")
+    p.add_argument("--num-frames", type=int, default=1, help="frames per sample: 1 for images; a video family's "
+                   "count (LTX-2.3: 8k + 1) writes MP4s and frame strips (default: 1)")
     add_engine_options(p, default_patch_group="none")
     p.add_argument("--snapshot", metavar="FILE", help="also write a debug snapshot of every step (docs/snapshot.md)")
-    p.add_argument("--out", required=True, help="output folder for the PNGs and settings.json")
+    p.add_argument("--out", required=True, help="output folder for the PNGs (or MP4s) and settings.json")
 
 
 def _run_generate(a: argparse.Namespace) -> int:
@@ -99,26 +102,33 @@ def _run_generate(a: argparse.Namespace) -> int:
 
     from PIL import Image
 
-    from .engine.engine import Engine, SamplingParams
+    from .engine.engine import Engine, RolloutRequest, SamplingParams
     from .engine.snapshot import save_snapshot
     from .options import torch_dtype
+    from .video import VIDEO_FPS, write_mp4, write_strip
 
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
-                            negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution)
+                            negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
+                            num_frames=a.num_frames)
     engine = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype))
-    rollout = engine.rollout([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None,
-                             progress=sys.stderr.isatty())
+    rollout = engine.rollout(RolloutRequest([a.prompt], a.num_images, params, a.seed,
+                                            record_snapshot=a.snapshot is not None), progress=sys.stderr.isatty())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for i, image in enumerate(rollout.images):
-        Image.fromarray(image.numpy()).save(out / f"{i:04d}.png")
+    for i, sample in enumerate(rollout.images):
+        if sample.ndim == 4:  # a video [F, H, W, 3]
+            write_mp4(sample, out / f"{i:04d}.mp4", VIDEO_FPS)
+            write_strip(sample, out / f"{i:04d}-frames.png")
+        else:
+            Image.fromarray(sample.numpy()).save(out / f"{i:04d}.png")
     settings = {"prompt": a.prompt, "num_images": a.num_images, "seed": a.seed, "params": asdict(params),
                 "engine": rollout.engine, "sde_steps": [mg.sde_steps for mg in rollout.microgroups],
                 "snapshot": a.snapshot}
     (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
     if a.snapshot:
         save_snapshot(rollout, a.snapshot)
-    print(f"wrote {len(rollout.images)} image(s) and settings.json to {out}" +
+    kind = "video(s)" if rollout.images.ndim == 5 else "image(s)"
+    print(f"wrote {len(rollout.images)} {kind} and settings.json to {out}" +
           (f", snapshot to {a.snapshot}" if a.snapshot else ""))
     return 0
 

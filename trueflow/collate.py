@@ -1,7 +1,11 @@
-"""The text collate rule shared by the rollout engine and the trainer (parity conditions 2 and 3, docs/patch-group.md).
+"""The conditioning collate rule shared by the rollout engine and the trainer (parity conditions 2 and 3,
+docs/patch-group.md).
 
-Both sides pad a batch's prompt embeddings the same way, so a train micro-batch equal to a rollout
-microgroup has the very widths and mask the engine ran with:
+A branch's conditioning (`Cond`) is the model's inputs besides the latents and the timestep, named as the family's
+diffusers transformer names its keyword arguments. A family declares which of them are variable-length token
+streams (`PipelineSide.text_streams`: stream key -> mask key); every other entry has one shape per sample and is
+stacked. Both sides pad a batch's streams the same way, so a train micro-batch equal to a rollout microgroup has the
+very widths and masks the engine ran with:
 - padding is batch-local: to the longest prompt *in the batch*, never to a fixed window (condition 3);
 - an all-true mask becomes `None`, so both sides take the same mask-less attention kernel (condition 2).
 """
@@ -9,8 +13,11 @@ microgroup has the very widths and mask the engine ran with:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import torch
+
+Cond = dict[str, torch.Tensor | None]
 
 
 def collate_text(
@@ -34,6 +41,47 @@ def collate_text(
         own = None if masks is None else masks[i]
         mask[i, : e.shape[0]] = True if own is None else own.bool()
     return padded, None if bool(mask.all()) else mask
+
+
+def collate_cond(samples: list[Cond], streams: Mapping[str, str]) -> Cond:
+    """A batch's conditioning from per-sample entries (each without the batch dim): each stream in `streams`
+    collated with its mask (`collate_text`; a sample's own mask entry may be absent or None), every other entry
+    stacked (None stays None)."""
+    if not samples:
+        raise ValueError("collate_cond needs at least one sample")
+    masks = set(streams.values())
+    out: Cond = {}
+    for key in samples[0]:
+        if key in masks:
+            continue  # collated with its stream
+        if key in streams:
+            out[key], out[streams[key]] = collate_text([s[key] for s in samples],
+                                                       [s.get(streams[key]) for s in samples])
+        else:
+            values = [s[key] for s in samples]
+            out[key] = None if values[0] is None else torch.stack(values)
+    return out
+
+
+def sample_cond(cond: Cond, i: int, streams: Mapping[str, str]) -> Cond:
+    """Sample i's own entries of a collated batch, the inverse of `collate_cond`: each stream cut to the sample's
+    valid tokens (its padding removed, so a batch of other samples pads batch-locally), the rest indexed."""
+    masks = set(streams.values())
+    out: Cond = {}
+    for key, value in cond.items():
+        if key in masks:
+            continue
+        if key in streams:
+            mask = cond.get(streams[key])
+            out[key] = value[i] if mask is None else value[i][mask[i]]
+        else:
+            out[key] = None if value is None else value[i]
+    return out
+
+
+def cond_mask(cond: Cond, streams: Mapping[str, str]) -> torch.Tensor | None:
+    """The first stream mask of a batch that is not all true (None: every stream of every sample is whole)."""
+    return next((cond[m] for m in streams.values() if cond.get(m) is not None), None)
 
 
 def warn_if_masked(mask: torch.Tensor | None, parity: bool, cause: str) -> None:

@@ -6,17 +6,20 @@ bitwise the eager forward's (the same holds for the diffusers
 forward: measured on an H200, a replayed graph of it equals its eager bits).
 
 Design:
-- One graph per key: every input's shape and dtype (batch, image tokens, text length, mask or not), img_shape,
-  the device, the model's patch group and whether the Triton kernels are on. Ambient settings at capture time
-  (e.g. an `sdpa_kernel` context choosing the attention kernel) are frozen into that graph.
+- Inputs are named, as the engine model takes them (`hidden_states`, `timestep`, the family's conditioning), plus
+  the static token `grid`. One graph per key: every input's name, shape and dtype (batch, image tokens, text
+  length, mask or not), the grid, the device, the model's patch group and whether the Triton kernels are on.
+  Ambient settings at capture time (e.g. an `sdpa_kernel` context choosing the attention kernel) are frozen into
+  that graph.
 - CFG: a guided step calls the same graph twice (positive, then negative branch: the same shapes); each call
   copies its inputs into the graph's static buffers, replays, and returns a copy of the output, so the two
   branches' outputs never alias. Two separate forwards are also what parity
   requires (a concatenated two-branch batch runs other GEMM shapes). All graphs of one `GraphedForward` share
   one memory pool: they never run at once.
-- Eager fallback: when disabled, off CUDA, with autograd on, or when the latents or text embeddings are not
-  contiguous (a GEMM on a strided input may run another kernel than on the static buffer's copy). The timestep
-  and the mask are only read elementwise, so any layout is fine (the engine passes `timesteps[i].expand(B)`).
+- Eager fallback: when disabled, off CUDA, with autograd on, or when a floating input of 3 or more dims (the
+  latents, a text stream) is not contiguous (a GEMM on a strided input may run another kernel than on the static
+  buffer's copy). Timesteps (`[B]`, `[B, S]`) and masks are only read elementwise, so any layout is fine (the
+  engine passes `timesteps[i].expand(B)`).
 - Weights: a graph reads every tensor by the address it had at capture. Parameters updated in place stay valid
   (`load_weights` and the merged LoRA update copy into the parameters), and so do unmerged LoRA adapters updated
   with the same shapes and scale (`Linear.set_lora` copies into them). A first install, another rank or scale, a
@@ -81,24 +84,27 @@ def capture(fn: Callable[[], T], pool=None, warmup: int = 1) -> tuple[torch.cuda
     return graph, output
 
 
+Inputs = dict[str, "torch.Tensor | None"]
+
+
 class _Graph:
     """One captured forward: static inputs, the graph, its static output."""
 
-    def __init__(self, model: nn.Module, inputs: list[torch.Tensor | None], img_shape: tuple[int, int],
-                 pool, warmup: int):
-        self.inputs = [None if t is None else t.contiguous().clone() for t in inputs]
-        self.graph, self.output = capture(lambda: model(*self.inputs[:3], img_shape, self.inputs[3]), pool, warmup)
+    def __init__(self, model: nn.Module, inputs: Inputs, grid: tuple[int, ...], pool, warmup: int):
+        self.inputs = {k: None if t is None else t.contiguous().clone() for k, t in inputs.items()}
+        self.graph, self.output = capture(lambda: model(grid=grid, **self.inputs), pool, warmup)
 
-    def __call__(self, inputs: list[torch.Tensor | None]) -> torch.Tensor:
-        for static, t in zip(self.inputs, inputs):
-            if static is not None:
-                static.copy_(t)
+    def __call__(self, inputs: Inputs) -> torch.Tensor:
+        for name, t in inputs.items():
+            if t is not None:
+                self.inputs[name].copy_(t)
         self.graph.replay()
         return self.output.clone()
 
 
 class GraphedForward:
-    """The engine transformer's forward through CUDA graphs; same signature as the model's forward.
+    """The engine transformer's forward through CUDA graphs, called as the model is:
+    `forward(hidden_states=..., timestep=..., grid=..., **cond)`.
 
     `enabled=False` (or a CPU model) always runs eagerly. `warmup` eager forwards precede each capture.
     Counters: `captures` (graphs captured so far), `invalidations` (times a LoRA change dropped the graphs).
@@ -116,32 +122,32 @@ class GraphedForward:
         self.graphs.clear()
         self.lora_state = self.pool = None
 
-    def _key(self, inputs: list[torch.Tensor | None], img_shape: tuple[int, int]) -> tuple:
-        return (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs), tuple(img_shape),
-                inputs[0].device, tuple(getattr(self.model, "patches_applied", ())), kernels.ENABLED)
+    def _key(self, inputs: Inputs, grid: tuple[int, ...]) -> tuple:
+        return (tuple((k, None if t is None else (tuple(t.shape), t.dtype)) for k, t in sorted(inputs.items())),
+                tuple(grid), inputs["hidden_states"].device, tuple(getattr(self.model, "patches_applied", ())),
+                kernels.ENABLED)
 
-    def _graphable(self, inputs: list[torch.Tensor | None]) -> bool:
-        return (self.enabled and not torch.is_grad_enabled() and all(t is None or t.is_cuda for t in inputs)
-                and inputs[0].is_contiguous() and inputs[1].is_contiguous())
+    def _graphable(self, inputs: Inputs) -> bool:
+        tensors = [t for t in inputs.values() if t is not None]
+        return (self.enabled and not torch.is_grad_enabled() and all(t.is_cuda for t in tensors)
+                and all(t.is_contiguous() for t in tensors if t.is_floating_point() and t.dim() >= 3))
 
-    def _replay(self, inputs: list[torch.Tensor | None], img_shape: tuple[int, int]) -> torch.Tensor:
+    def _replay(self, inputs: Inputs, grid: tuple[int, ...]) -> torch.Tensor:
         if self.lora_state is not None and not self.lora_state.matches():
             self.reset()
             self.invalidations += 1
         if not self.graphs:
             self.lora_state = LoraState(self.model)
-        key = self._key(inputs, img_shape)
+        key = self._key(inputs, grid)
         graph = self.graphs.get(key)
         if graph is None:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = self.graphs[key] = _Graph(self.model, inputs, img_shape, self.pool, self.warmup)
+            graph = self.graphs[key] = _Graph(self.model, inputs, grid, self.pool, self.warmup)
             self.captures += 1
         return graph(inputs)
 
-    def __call__(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
-                 img_shape: tuple[int, int], mask: torch.Tensor | None = None) -> torch.Tensor:
-        inputs = [hidden_states, encoder_hidden_states, timestep, mask]
+    def __call__(self, *, grid: tuple[int, ...], **inputs: torch.Tensor | None) -> torch.Tensor:
         if not self._graphable(inputs):
-            return self.model(hidden_states, encoder_hidden_states, timestep, img_shape, mask)
-        return self._replay(inputs, img_shape)
+            return self.model(grid=grid, **inputs)
+        return self._replay(inputs, grid)

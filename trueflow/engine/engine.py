@@ -3,7 +3,9 @@
 A prompt's `n` samples run in microgroups of `rollout_microgroup_size`, in order; the model runner
 (`model_runner.py`) takes each microgroup, as one batch, through the whole loop. Randomness is per sample: sample
 k of prompt p owns one CPU generator (its initial noise, then its step noise), so a sample's noise does not depend
-on the batch it runs in; the SDE window is drawn once per microgroup from its own generator. The model family
+on the batch it runs in; the SDE window is drawn once per microgroup from its own generator. Both follow the
+prompt's global index (`RolloutRequest.first_prompt` + p), so data-parallel engines drawing shares of one rollout
+draw what one engine would. The model family
 (from the checkpoint's model_index.json) supplies the text encoder, latent layout, schedule and decoder.
 """
 
@@ -13,21 +15,24 @@ import hashlib
 import json
 import math
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ..collate import Cond
 from ..loading import CheckpointError
 from ..models import family_for_checkpoint
 from . import weights
+from .interface import RolloutRequest
 from .model_runner import ModelRunner, RolloutCancelled
 from .sampling_params import SAMPLERS, SamplingParams, check_family_limits
 from .samplers import draw_sde_window
 from .trajectory import Rollout
 
-__all__ = ["SAMPLERS", "Engine", "RolloutCancelled", "SamplingParams", "derive_seed"]
+__all__ = ["SAMPLERS", "Engine", "RolloutCancelled", "RolloutRequest", "SamplingParams", "derive_seed"]
 
 
 # Random streams, kept apart: the noise of one sample, the SDE window of one microgroup.
@@ -86,17 +91,39 @@ class Engine:
         device, hashed on the CPU, so it is cheap on GPU and identical across devices and runs."""
         return self.runner.weights_checksum()
 
+    # -- the engine interface (`interface.RolloutEngine`) ----------------------------------------------------
+    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+                       merge_mode: str | None = None) -> str:
+        if lora_scale is None:
+            self.load_weights(state)
+            return self.weights_checksum()
+        self.update_lora(state, lora_scale, merge_mode)
+        return self.lora_checksum()
+
+    def checksum(self) -> str:
+        return self.lora_checksum()
+
+    def health(self) -> dict:
+        return {"status": "ok", "checkpoint": self.checkpoint, "family": self.family.name,
+                "patch_group": self.patch_group, "disabled_patches": list(self.disabled_patches),
+                "patches_applied": list(self.transformer.patches_applied),
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device)}
+
+    def shutdown(self) -> None:
+        """Nothing to release: the engine lives and ends with this process."""
+
     # -- rollout -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, prompts: list[str], n_per_prompt: int, params: SamplingParams, seed: int, decode: bool = True,
-                record_snapshot: bool = False, progress: bool = False,
+    def rollout(self, request: RolloutRequest, progress: bool = False,
                 should_stop: Callable[[], bool] | None = None) -> Rollout:
-        """`n_per_prompt` samples of each prompt, microgroup by microgroup, prompt-major.
+        """`request.n_per_prompt` samples of each prompt, microgroup by microgroup, prompt-major.
 
-        `record_snapshot` keeps each step's debug data (branch outputs, SDE mean/std/noise) for
+        `request.record_snapshot` keeps each step's debug data (branch outputs, SDE mean/std/noise) for
         `snapshot.save_snapshot`; `progress` shows a tqdm bar over denoising steps on stderr; `should_stop` is
         called before every denoising step, and a true answer raises `RolloutCancelled` (a server's client left).
         """
+        t0 = time.perf_counter()
+        prompts, n_per_prompt, params, seed = request.prompts, request.n_per_prompt, request.params, request.seed
         if not prompts:
             raise ValueError("rollout needs at least one prompt")
         size = params.rollout_microgroup_size or n_per_prompt
@@ -106,41 +133,43 @@ class Engine:
                              f"docs/patch-group.md)")
         pipe = self.family.pipeline
         check_family_limits(params, self.family)
-        grid = pipe.latent_grid(params.height, params.width)
+        grid = pipe.latent_grid(params.height, params.width, params.num_frames)
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         negative = self._encode(params.negative_prompt, params) if params.cfg else None
         microgroups, images = [], []
         with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not progress, unit="step") as bar:
             for p, prompt in enumerate(prompts):
                 positive = self._encode(prompt, params)
+                g = request.first_prompt + p  # the global prompt index: what the random streams follow
                 for m, first in enumerate(range(0, n_per_prompt, size)):
                     ks = range(first, first + size)
-                    gens = [torch.Generator().manual_seed(derive_seed(seed, _NOISE_STREAM, p, k)) for k in ks]
+                    gens = [torch.Generator().manual_seed(derive_seed(seed, _NOISE_STREAM, g, k)) for k in ks]
                     mg = self.runner.denoise(p, [p * n_per_prompt + k for k in ks], gens, (positive, negative),
-                                             grid, (sigmas, timesteps), params, self._sde_steps(params, seed, p, m),
-                                             record_snapshot, bar, should_stop)
+                                             grid, (sigmas, timesteps), params, self._sde_steps(params, seed, g, m),
+                                             request.record_snapshot, bar, should_stop)
                     microgroups.append(mg)
-                    if decode:
-                        images.append(self.vae.decode(mg.latents[-1], params.height, params.width))
+                    if request.decode:
+                        images.append(self.vae.decode(mg.latents[-1], params.height, params.width, params.num_frames))
         info = {"checkpoint": self.checkpoint, "family": self.family.name, "patch_group": self.patch_group,
                 "disabled_patches": list(self.disabled_patches),
                 "patches_applied": list(self.transformer.patches_applied),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device)}
-        if record_snapshot:
+        if request.record_snapshot:
             info["weights_checksum"] = self.weights_checksum()
         return Rollout(list(prompts), n_per_prompt, params, seed, microgroups,
-                       torch.cat(images) if decode else None, info)
+                       torch.cat(images) if request.decode else None, info, request.first_prompt,
+                       times={"rollout": time.perf_counter() - t0})
 
-    def _encode(self, prompt: str, params: SamplingParams) -> torch.Tensor:
+    def _encode(self, prompt: str, params: SamplingParams) -> Cond:
         # One prompt per text-encoder call: its embeddings then never depend on the other prompts of a request.
         return self.family.pipeline.encode_prompts(self.tokenizer, self.text_encoder, [prompt],
                                                   params.max_sequence_length)[0]
 
     @staticmethod
-    def _sde_steps(params: SamplingParams, seed: int, p: int, m: int) -> list[int]:
+    def _sde_steps(params: SamplingParams, seed: int, g: int, m: int) -> list[int]:
         if params.sampler == "ode":
             return []
         if params.num_sde_steps is None:
             return list(range(params.steps))
-        g = torch.Generator().manual_seed(derive_seed(seed, _WINDOW_STREAM, p, m))
-        return draw_sde_window(params.steps, params.num_sde_steps, params.sde_window, g)
+        gen = torch.Generator().manual_seed(derive_seed(seed, _WINDOW_STREAM, g, m))
+        return draw_sde_window(params.steps, params.num_sde_steps, params.sde_window, gen)

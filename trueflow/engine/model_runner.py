@@ -1,8 +1,9 @@
 """The model runner: one engine transformer (CUDA-graphed on CUDA) and the denoise loop of one microgroup over it.
 
 Each step runs two separate branch forwards (positive, then negative), true CFG, then an ODE step or, inside the
-SDE window, a stochastic step with its log-prob. Everything family-specific (the initial noise's layout and its
-packing into tokens) comes from the model family.
+SDE window, a stochastic step with its log-prob. Everything family-specific (the conditioning's streams, the
+initial noise's layout and its packing into tokens, the latents' dtype, what the pipeline makes of the model's
+output) comes from the model family.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ..collate import collate_text
+from ..collate import Cond, collate_cond
 from ..layers.linear import Linear
 from ..models.spec import Grid, ModelFamily
 from ..sync.checksum import tensors_checksum
@@ -55,29 +56,36 @@ class ModelRunner:
 
     # -- denoise loop --------------------------------------------------------------------------------------
     def denoise(self, p: int, sample_indices: list[int], gens: list[torch.Generator],
-                text: tuple[torch.Tensor, torch.Tensor | None], grid: Grid,
+                conds: tuple[Cond, Cond | None], grid: Grid,
                 schedule: tuple[torch.Tensor, torch.Tensor], params: SamplingParams, sde_steps: list[int],
                 record: bool, bar: tqdm, should_stop: Callable[[], bool] | None = None) -> Microgroup:
-        """One microgroup of prompt `p` through the whole denoise loop; `gens[i]` is sample i's generator."""
+        """One microgroup of prompt `p` through the whole denoise loop; `gens[i]` is sample i's generator;
+        `conds` the prompt's positive and negative conditioning, one sample's entries (no batch dim)."""
         b, (sigmas, timesteps) = len(gens), schedule
         pipe = self.family.pipeline
-        # One prompt per microgroup: every row has the same length, so both masks collapse to None.
-        pos_embeds, pos_mask = collate_text([text[0]] * b)
-        neg_embeds, neg_mask = collate_text([text[1]] * b) if text[1] is not None else (None, None)
-        # The pipeline's prepare_latents: drawn in the latent dtype, then packed into tokens.
+        # One prompt per microgroup: every row has the same length, so every mask collapses to None.
+        pos = collate_cond([conds[0]] * b, pipe.text_streams)
+        neg = collate_cond([conds[1]] * b, pipe.text_streams) if conds[1] is not None else None
+        # The pipeline's prepare_latents: drawn in the latent dtype, then packed into tokens. Made contiguous: a
+        # packing may be a strided view (LTX-2.3's transpose), and a GEMM on a strided input can take another kernel
+        # than on the contiguous micro-batch the train side stacks from the record (and the CUDA graphs need it).
         shape = pipe.noise_shape(self.transformer.config, grid)
-        x = pipe.pack_latents(sample_noise(shape, gens, self.dtype, self.device))
+        x = pipe.pack_latents(sample_noise(shape, gens, pipe.latent_dtype or self.dtype, self.device)).contiguous()
         latents, guided, records = [x], [], [] if record else None
         log_probs = torch.zeros(params.steps, b, dtype=torch.float32, device=self.device)
         for i in range(params.steps):
             if should_stop is not None and should_stop():
                 raise RolloutCancelled(f"stopped before step {i + 1} of {params.steps}")
-            # The schedule's fp32 timestep; the engine model's timestep path rounds it as the pipeline does
-            # under the family's patch group, and keeps fp32 on the fast path.
-            t = timesteps[i].expand(b)
-            pos = self.forward(x, pos_embeds, t, grid, pos_mask)
-            neg = self.forward(x, neg_embeds, t, grid, neg_mask) if neg_embeds is not None else None
-            v = true_cfg(pos, neg, params.cfg_scale) if neg is not None else pos
+            # The schedule's fp32 timestep (one, or one per token); the engine model's timestep path rounds it as
+            # the pipeline does under the family's patch group, and keeps fp32 on the fast path.
+            t = timesteps[i].expand(b, *timesteps.shape[1:])
+            # The model reads the latents in its own dtype (a no-op where the pipeline keeps them in it).
+            model_input = x.to(self.dtype)
+            pos_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **pos)
+            neg_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **neg) if neg else None
+            v = true_cfg(pos_out, neg_out, params.cfg_scale) if neg_out is not None else pos_out
+            if pipe.model_output is not None:
+                v = pipe.model_output(v, x, sigmas[i])
             if i in sde_steps:
                 noise = sample_noise(x.shape[1:], gens, torch.float32, self.device)
                 if params.sampler == "sde":
@@ -87,17 +95,16 @@ class ModelRunner:
                 log_probs[i] = step.log_prob
                 guided.append(v)
                 if record:
-                    records.append(StepRecord(pos, neg, v, step.mean, step.std, noise))
+                    records.append(StepRecord(pos_out, neg_out, v, step.mean, step.std, noise))
                 x = step.x_next
             else:
                 if record:
-                    records.append(StepRecord(pos, neg, v))
+                    records.append(StepRecord(pos_out, neg_out, v))
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1])
             latents.append(x)
             bar.update()
         return Microgroup(
-            prompt_index=p, sample_indices=sample_indices, img_shape=grid,
+            prompt_index=p, sample_indices=sample_indices, grid=grid,
             latents=torch.stack(latents), sigmas=sigmas, timesteps=timesteps, log_probs=log_probs,
             sde_steps=sde_steps, guided_outputs=torch.stack(guided) if guided else x.new_empty(0, *x.shape),
-            prompt_embeds=pos_embeds, prompt_mask=pos_mask, negative_prompt_embeds=neg_embeds,
-            negative_prompt_mask=neg_mask, records=records)
+            cond=pos, negative_cond=neg, records=records)

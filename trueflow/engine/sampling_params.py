@@ -1,4 +1,6 @@
-"""What one rollout request asks of the denoise loop: steps, sampler, guidance, image size, microgroups."""
+"""What one rollout request asks of the denoise loop: steps, sampler, guidance, image size and frames,
+microgroups. A `SamplingParams` checks what holds for every family when made; the engine checks the rest against its
+family (`check_family_limits`) before it rolls out."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class SamplingParams:
     sde_window: tuple[int, int] | None = None  # half-open step range the window lies in; None: all steps
     height: int = 64
     width: int = 64
+    num_frames: int = 1  # 1: images; video families take more (each its own rule)
     max_sequence_length: int = 512
     rollout_microgroup_size: int | None = None  # None: a prompt's n samples in one microgroup
 
@@ -56,7 +59,8 @@ class SamplingParams:
             if not (0 <= lo < hi <= self.steps and hi - lo >= self.num_sde_steps):
                 raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= lo < hi <= steps={self.steps} "
                                  f"and hold num_sde_steps={self.num_sde_steps} steps")
-        check_family_limits(self, default_family())
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1 (1: an image), got {self.num_frames}")
         if self.rollout_microgroup_size is not None and self.rollout_microgroup_size < 1:
             raise ValueError(f"rollout_microgroup_size must be >= 1 (None: all samples of a prompt), "
                              f"got {self.rollout_microgroup_size}")
@@ -67,14 +71,14 @@ class SamplingParams:
 
 
 def check_family_limits(params: SamplingParams, family: ModelFamily) -> None:
-    """The image sizes and text length `family`'s pipeline takes. (A `SamplingParams` is checked against the
-    default family when made, as it carries no family; an engine of another family checks its own.)"""
+    """The image sizes, frame count and text length `family`'s pipeline takes (ValueError naming the rule)."""
     granule = family.pipeline.pixels_per_token
     for name in ("height", "width"):
         v = getattr(params, name)
         if v < granule or v % granule:
             raise ValueError(f"{name} must be a positive multiple of {granule} pixels "
                              f"({family.pipeline.size_reason}), got {v}")
+    family.pipeline.latent_grid(params.height, params.width, params.num_frames)  # refuses a frame count it can't make
     cap = family.pipeline.max_text_tokens
     if not 1 <= params.max_sequence_length <= cap:
         raise ValueError(f"max_sequence_length must be in 1..{cap}, got {params.max_sequence_length}")

@@ -48,7 +48,8 @@ from ..loading import read_transformer_state_dict, transformer_dir
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, pack, unpack
 from . import wire
 from .engine import Engine, RolloutCancelled, SamplingParams
-from .sampling_params import TOKENIZER_MAX_LENGTH
+from .interface import RolloutRequest
+from .sampling_params import TOKENIZER_MAX_LENGTH, check_family_limits
 from .trajectory import Rollout
 
 _T = TypeVar("_T")
@@ -109,14 +110,14 @@ class Limits:
         the character bound, at 12 bytes a character (a JSON surrogate pair), plus room for the other fields."""
         return (self.max_samples + 1) * self.max_prompt_chars * 12 + (64 << 10)
 
-    def check(self, samples: int, params: SamplingParams, prompts: list[str], frames: int = 1) -> None:
+    def check(self, samples: int, params: SamplingParams, prompts: list[str]) -> None:
         """Refuse a request past a bound, naming the field and the flag (tokens are counted later, off the loop)."""
         for value, bound, what, param, flag in [
                 (samples, self.max_samples, "samples (prompts x n)", "n_per_prompt", "--max-samples"),
                 (params.steps, self.max_steps, "denoising steps", "steps", "--max-steps"),
                 (params.height * params.width, self.max_pixels,
                  f"pixels per frame ({params.width}x{params.height})", "width", "--max-pixels"),
-                (frames, self.max_frames, "frames", "frames", "--max-frames")]:
+                (params.num_frames, self.max_frames, "frames", "num_frames", "--max-frames")]:
             if value > bound:
                 raise RequestError(f"the request asks for {value} {what}; this server takes at most {bound} "
                                    f"({flag})", param=param, code="limit_exceeded")
@@ -285,6 +286,7 @@ class _Sampling(_Strict):
     sde_window: tuple[StrictInt, StrictInt] | None = Field(_D.sde_window, strict=False)  # msgpack sends a list
     height: int = _D.height
     width: int = _D.width
+    num_frames: int = _D.num_frames
     max_sequence_length: int = _D.max_sequence_length
     rollout_microgroup_size: int | None = _D.rollout_microgroup_size
 
@@ -295,14 +297,22 @@ class _Sampling(_Strict):
             raise RequestError(str(e)) from e
 
 
-class RolloutRequest(_Sampling):
-    """`POST /rollout/generate`: `Engine.rollout`'s arguments, sampling params flat."""
+class RolloutBody(_Sampling):
+    """`POST /rollout/generate`: an `interface.RolloutRequest`, sampling params flat."""
 
     prompts: list[str]
     n_per_prompt: int
     seed: int
+    first_prompt: int = 0
     decode: bool = True
     record_snapshot: bool = False
+
+    def request(self) -> RolloutRequest:
+        try:
+            return RolloutRequest(self.prompts, self.n_per_prompt, self.params(), self.seed, self.first_prompt,
+                                  self.decode, self.record_snapshot)
+        except ValueError as e:
+            raise RequestError(str(e), param="first_prompt") from e
 
 
 class ImagesRequest(_Strict):
@@ -539,7 +549,12 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
 
     async def generation(request: Request, samples: int, params: SamplingParams, prompts: list[str],
                          fn: Callable[[Callable[[], bool]], _T], arrived: float) -> _T:
-        """Check `limits`, then run `fn` on the worker within the request's time, stopped if its client leaves."""
+        """Check the family's rules and `limits`, then run `fn` on the worker within the request's time, stopped if
+        its client leaves."""
+        try:
+            check_family_limits(params, engine.family)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
         limits.check(samples, params, prompts)
         await asyncio.to_thread(tokens.check, limits, prompts, params.negative_prompt)
         job = worker.submit(fn, arrived + limits.request_timeout, limits.max_queue)
@@ -552,10 +567,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
         stuck = age is not None and age > limits.request_timeout + min(limits.request_timeout, STUCK_GRACE_S)
         status = "shutting_down" if worker.closed else "stuck" if stuck else "ok"
         return JSONResponse({
-            "status": status, "checkpoint": engine.checkpoint, "patch_group": engine.patch_group,
-            "disabled_patches": list(engine.disabled_patches),
-            "patches_applied": list(engine.transformer.patches_applied),
-            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device), "threads": threads,
+            **engine.health(), "status": status, "threads": threads,
             "busy": running is not None, "queue_depth": worker.depth,
             "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits)},
             200 if status == "ok" else 503)
@@ -563,16 +575,16 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
     @app.post("/rollout/generate")
     async def generate(request: Request) -> Response:
         arrived = time.monotonic()
-        r = _validate(RolloutRequest, _body(await _read_body(request, limits.generation_body_bytes), "msgpack"))
-        params = r.params()
+        req = _validate(RolloutBody, _body(await _read_body(request, limits.generation_body_bytes),
+                                           "msgpack")).request()
 
         def rollout(should_stop: Callable[[], bool]) -> Rollout:
-            out = engine.rollout(r.prompts, r.n_per_prompt, params, r.seed, r.decode, r.record_snapshot,
-                                 should_stop=should_stop)
+            out = engine.rollout(req, should_stop=should_stop)
             out.engine["lora_checksum"] = engine.lora_checksum()  # in the same call: the LoRA this rollout ran with
             return out
 
-        out = await generation(request, len(r.prompts) * r.n_per_prompt, params, r.prompts, rollout, arrived)
+        out = await generation(request, len(req.prompts) * req.n_per_prompt, req.params, req.prompts, rollout,
+                               arrived)
         return Response(await asyncio.to_thread(wire.encode_rollout, out), media_type=MSGPACK)
 
     @app.post("/v1/images/generations")
@@ -590,7 +602,8 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
                            width=int(m[1]), height=int(m[2])).params()
         seed = default_seed if r.seed is None else r.seed
         out = await generation(request, r.n, params, [r.prompt],
-                               lambda stop: engine.rollout([r.prompt], r.n, params, seed, should_stop=stop), arrived)
+                               lambda stop: engine.rollout(RolloutRequest([r.prompt], r.n, params, seed),
+                                                           should_stop=stop), arrived)
         data = await asyncio.to_thread(lambda: [{"b64_json": _png_b64(image)} for image in out.images])
         return {"created": int(time.time()), "seed": seed, "data": data}
 
@@ -599,8 +612,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
         state, f = await _weights_request(request, LoraUpdate, LoraByPath, False, root)
 
         def apply(_stop: Callable[[], bool]) -> str:
-            engine.update_lora(state, f.scale, f.merge_mode)
-            return engine.lora_checksum()
+            return engine.update_weights(state, f.scale, f.merge_mode)
 
         return {"lora": await worker.wait(worker.submit(apply), request)}
 
@@ -609,8 +621,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
         state, _ = await _weights_request(request, FullUpdate, FullByPath, True, root)
 
         def apply(_stop: Callable[[], bool]) -> str:
-            engine.load_weights(state)
-            return engine.weights_checksum()
+            return engine.update_weights(state)
 
         return {"weights": await worker.wait(worker.submit(apply), request)}
 
@@ -657,7 +668,7 @@ class ServerError(RuntimeError):
         self.status, self.message = status, message
 
 
-def _answer(r: httpx.Response) -> httpx.Response:
+def raise_for_error(r: httpx.Response) -> httpx.Response:
     if r.status_code != 200:
         try:
             message = r.json()["error"]
@@ -667,14 +678,15 @@ def _answer(r: httpx.Response) -> httpx.Response:
     return r
 
 
-def remote_rollout(url: str, prompts: list[str], n_per_prompt: int, params: SamplingParams, seed: int,
-                   decode: bool = True, record_snapshot: bool = False, timeout: float = 3600.0) -> Rollout:
+def remote_rollout(url: str, request: RolloutRequest, timeout: float = 3600.0) -> Rollout:
     """`Engine.rollout` run by the server at `url`: the same Rollout, bit for bit (tensors on the CPU)."""
-    body = msgpack.packb({"prompts": list(prompts), "n_per_prompt": n_per_prompt, "seed": seed, "decode": decode,
-                          "record_snapshot": record_snapshot, **asdict(params)})
+    r = request
+    body = msgpack.packb({"prompts": list(r.prompts), "n_per_prompt": r.n_per_prompt, "seed": r.seed,
+                          "first_prompt": r.first_prompt, "decode": r.decode, "record_snapshot": r.record_snapshot,
+                          **asdict(r.params)})
     r = httpx.post(f"{url.rstrip('/')}/rollout/generate", content=body, headers={"content-type": MSGPACK},
                    timeout=timeout)
-    return wire.decode_rollout(_answer(r).content)
+    return wire.decode_rollout(raise_for_error(r).content)
 
 
 def _push(url: str, state: dict[str, torch.Tensor], bucket_bytes: int, timeout: float, **fields: Any) -> dict:
@@ -682,7 +694,7 @@ def _push(url: str, state: dict[str, torch.Tensor], bucket_bytes: int, timeout: 
     r = httpx.post(url, content=wire.dump_handles(buckets, **fields),
                    headers={"content-type": wire.IPC_CONTENT_TYPE}, timeout=timeout)
     # `buckets` stays alive until here: the server has copied the update out of them before it answers.
-    return _answer(r).json()
+    return raise_for_error(r).json()
 
 
 def push_lora(url: str, state: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None,

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from ..models import get_family
 from .trajectory import Rollout
 
-FORMAT = "trueflow-snapshot/1"
+FORMAT = "trueflow-snapshot/2"  # /2: conditioning under its model-input names, `grid` for `img_shape`
 METADATA_KEY = "trueflow"  # the safetensors metadata entry holding the JSON description
 
 
@@ -29,13 +29,17 @@ def snapshot_tensors(rollout: Rollout) -> dict[str, torch.Tensor]:
     for m, mg in enumerate(rollout.microgroups):
         if mg.records is None:
             raise ValueError("this rollout kept no step records: run it with record_snapshot=True")
-        mine = {"prompt_embeds": mg.prompt_embeds, "prompt_mask": mg.prompt_mask,
-                "negative_prompt_embeds": mg.negative_prompt_embeds, "negative_prompt_mask": mg.negative_prompt_mask,
-                "sigmas": mg.sigmas, "timesteps": mg.timesteps, "log_probs": mg.log_probs,
-                "final_latents": mg.latents[-1]}
+        # Each branch's conditioning under the names the family's transformer takes it by (the replay passes them
+        # through as keyword arguments).
+        mine = {f"{branch}/{k}": v for branch, cond in (("positive", mg.cond), ("negative", mg.negative_cond or {}))
+                for k, v in cond.items()}
+        mine |= {"sigmas": mg.sigmas, "timesteps": mg.timesteps, "log_probs": mg.log_probs,
+                 "final_latents": mg.latents[-1],
+                 "rewards": None if rollout.rewards is None else rollout.rewards[mg.sample_indices]}
         b = len(mg.sample_indices)
         for t, rec in enumerate(mg.records):
-            step = {"latents": mg.latents[t], "timestep": model_timestep(mg.timesteps[t], mg.latents.dtype).expand(b),
+            timestep = model_timestep(mg.timesteps[t], mg.latents.dtype)
+            step = {"latents": mg.latents[t], "timestep": timestep.expand(b, *timestep.shape),
                     "positive_output": rec.positive_output, "negative_output": rec.negative_output,
                     "guided_output": rec.guided_output, "mean": rec.mean, "std": rec.std, "noise": rec.noise}
             mine.update({f"step{t}/{k}": v for k, v in step.items()})
@@ -52,9 +56,11 @@ def snapshot_metadata(rollout: Rollout) -> dict:
         "prompts": rollout.prompts,
         "n_per_prompt": rollout.n_per_prompt,
         "seed": rollout.seed,
+        "first_prompt": rollout.first_prompt,
+        "dropped": rollout.dropped,
         "params": asdict(rollout.params),
         "microgroups": [{"prompt_index": mg.prompt_index, "sample_indices": mg.sample_indices,
-                         "img_shape": list(mg.img_shape), "sde_steps": mg.sde_steps} for mg in rollout.microgroups],
+                         "grid": list(mg.grid), "sde_steps": mg.sde_steps} for mg in rollout.microgroups],
         # A replay is bitwise only with the same kernels: same versions, and on CPU the same thread count.
         "torch_num_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,

@@ -1,28 +1,23 @@
 """What a rollout returns: per-microgroup trajectories, recorded exactly as the engine ran them.
 
 The trainer re-scores from these records and nothing else (parity conditions 7 and 8,
-docs/patch-group.md): the same prompt
-embeddings and masks, the same batch (one microgroup), the same latents and timesteps, in the same order
-(`trueflow.train.batch.assemble` cuts its micro-batches from them).
+docs/patch-group.md): the same conditioning (prompt embeddings and masks, as named tensors), the same batch (one
+microgroup), the same latents and timesteps, in the same order (`trueflow.train.batch.assemble` cuts its
+micro-batches from them). Nothing in a record is specific to one family: the token grid may have any rank (frames,
+rows, cols), the timesteps may be per token, and the conditioning holds whatever streams the family's model takes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..collate import Cond
+
 if TYPE_CHECKING:
     from .engine import SamplingParams
-
-
-def model_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """diffusers' transformer timestep input for schedule timesteps `t` (fp32, 0..1000), as `QwenImagePipeline`
-    computes it: `t.to(latent dtype) / 1000`. In bf16 that rounds twice (t, then the quotient), which differs
-    from rounding the fp32 `t / 1000` once in about a quarter of the timesteps of a 10-step schedule. (The
-    engine model takes the fp32 `t` itself; its qwen_image patch group rounds it the same way inside.)"""
-    return t.to(dtype) / 1000
 
 
 @dataclass
@@ -43,17 +38,19 @@ class Microgroup:
 
     prompt_index: int
     sample_indices: list[int]  # global, prompt-major: sample k of prompt p is p * n_per_prompt + k
-    img_shape: tuple[int, int]  # packed token grid (rows, columns)
+    grid: tuple[int, ...]  # one sample's token grid: (rows, cols) for images, (frames, rows, cols) for video
     latents: torch.Tensor  # [T + 1, B, S, C] latent dtype, x_0 (noise) .. x_T, as stored
     sigmas: torch.Tensor  # [T + 1] fp32
-    timesteps: torch.Tensor  # [T] fp32 schedule timesteps (0..1000), the engine model's input; diffusers': model_timestep()
+    # [T] (or per token [T, S]) fp32 schedule timesteps (0..1000), the engine model's input; the diffusers
+    # model's is the family's `train.timestep` of it
+    timesteps: torch.Tensor
     log_probs: torch.Tensor  # [T, B] fp32, 0 at ODE steps
     sde_steps: list[int]  # the stochastic (trained) steps, sorted
     guided_outputs: torch.Tensor  # [len(sde_steps), B, S, C] latent dtype, the guided output at each SDE step
-    prompt_embeds: torch.Tensor  # [B, L, D] as the positive branch got them
-    prompt_mask: torch.Tensor | None  # bool [B, L]; None = all tokens valid (always, for one prompt)
-    negative_prompt_embeds: torch.Tensor | None  # [B, L', D]; None without CFG
-    negative_prompt_mask: torch.Tensor | None
+    # The positive branch's conditioning as the model got it, batch-first (e.g. `encoder_hidden_states` [B, L, D]
+    # and `encoder_hidden_states_mask`, None = all tokens valid: always, for one prompt)
+    cond: Cond
+    negative_cond: Cond | None  # the negative branch's; None without CFG
     records: list[StepRecord] | None = None  # one per step, with record_snapshot=True
 
 
@@ -64,5 +61,9 @@ class Rollout:
     params: SamplingParams
     seed: int
     microgroups: list[Microgroup]  # prompt-major, then sample order: the order to train in
-    images: torch.Tensor | None  # uint8 [P * n, H, W, 3] prompt-major; None with decode=False
+    images: torch.Tensor | None  # uint8 [P * n, H, W, 3] (video: [P * n, F, H, W, 3]) prompt-major; None: decode=False
     engine: dict  # checkpoint, patch group, patches applied, dtype, device (and weights checksum in snapshots)
+    first_prompt: int = 0  # the global index of prompts[0] (a data-parallel share): what the random streams follow
+    rewards: torch.Tensor | None = None  # float32 [P * n], NaN where dropped; set by a `ScoredEngine`
+    dropped: list[int] | None = None  # samples whose prompt group the reward dropped
+    times: dict[str, float] = field(default_factory=dict)  # seconds: "rollout" (the engine's), "reward"

@@ -29,7 +29,7 @@ from ..sync.buckets import Bucket
 from .engine import SamplingParams
 from .trajectory import Microgroup, Rollout, StepRecord
 
-FORMAT = "trueflow-rollout/1"
+FORMAT = "trueflow-rollout/2"  # /2: a microgroup's `grid` and named conditioning (`cond`, `negative_cond`)
 IPC_CONTENT_TYPE = "application/x-trueflow-ipc-handles"
 _TENSOR_KEYS = {"dtype", "shape", "data"}
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -56,6 +56,8 @@ def _encode(v: Any) -> Any:
         return {f.name: _encode(getattr(v, f.name)) for f in fields(v)}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _encode(x) for k, x in v.items()}
     return v
 
 
@@ -73,7 +75,9 @@ def encode_rollout(rollout: Rollout) -> bytes:
         "format": FORMAT, "prompts": rollout.prompts, "n_per_prompt": rollout.n_per_prompt,
         "params": asdict(rollout.params), "seed": rollout.seed, "engine": rollout.engine,
         "microgroups": [_encode(mg) for mg in rollout.microgroups],
-        "images": None if rollout.images is None else encode_tensor(rollout.images)})
+        "images": None if rollout.images is None else encode_tensor(rollout.images),
+        "first_prompt": rollout.first_prompt, "rewards": _encode(rollout.rewards), "dropped": rollout.dropped,
+        "times": rollout.times})
 
 
 def decode_rollout(data: bytes) -> Rollout:
@@ -84,12 +88,13 @@ def decode_rollout(data: bytes) -> Rollout:
     microgroups = []
     for d in msg["microgroups"]:
         d = _decode(d)
-        d["img_shape"] = tuple(d["img_shape"])
+        d["grid"] = tuple(d["grid"])
         if d["records"] is not None:
             d["records"] = [StepRecord(**r) for r in d["records"]]
         microgroups.append(Microgroup(**d))
     return Rollout(msg["prompts"], msg["n_per_prompt"], SamplingParams(**msg["params"]), msg["seed"], microgroups,
-                   None if msg["images"] is None else decode_tensor(msg["images"]), msg["engine"])
+                   None if msg["images"] is None else decode_tensor(msg["images"]), msg["engine"],
+                   msg["first_prompt"], _decode(msg["rewards"]), msg["dropped"], msg["times"])
 
 
 # -- weight buckets (IPC handles) --------------------------------------------------------------------------------

@@ -18,19 +18,23 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..collate import Cond
 from ..patches import PatchGroup
 
-Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images
+Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video
 
 
 class Decoder(Protocol):
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Packed latents -> uint8 images `[B, height, width, 3]` on the CPU."""
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int) -> torch.Tensor:
+        """Packed latents -> uint8 images `[B, height, width, 3]` (one frame) or videos `[B, num_frames, height,
+        width, 3]`, on the CPU."""
 
 
 @dataclass(frozen=True)
 class EngineSide:
-    """The engine's DiT and the map between its parameters and diffusers' tensor names."""
+    """The engine's DiT and the map between its parameters and diffusers' tensor names. The built model is called
+    `model(hidden_states=x, timestep=t, grid=grid, **cond)`: `t` the fp32 schedule timestep(s), `[B]` or per token
+    `[B, S]` (the model's timestep path rounds it as the pipeline does under the family's patch group)."""
 
     build_model: Callable[[dict, Any, torch.dtype], nn.Module]  # transformer config -> model, parameters unset
     load_weights: Callable[[nn.Module, dict[str, torch.Tensor]], None]  # diffusers-named tensors, all or nothing
@@ -61,13 +65,19 @@ class PipelineSide:
     pixels_per_token: int  # image sides are multiples of this (VAE factor x patch)
     size_reason: str  # why, in a few words, for the error message
     max_text_tokens: int  # the text encoder's window (max_sequence_length cap)
-    load_text: Callable[[Path, torch.device, torch.dtype], tuple[Any, nn.Module]]  # -> (tokenizer, text encoder)
-    encode_prompts: Callable[[Any, nn.Module, list[str], int], list[torch.Tensor]]  # -> per prompt [L_i, D]
-    latent_grid: Callable[[int, int], Grid]  # (height, width) pixels -> token grid
+    load_text: Callable[[Path, torch.device, torch.dtype], tuple[Any, Any]]  # -> (tokenizer, text module)
+    # (tokenizer, text module, prompts, max tokens) -> per prompt its conditioning, entries without the batch dim
+    encode_prompts: Callable[[Any, Any, list[str], int], list[Cond]]
+    text_streams: Mapping[str, str]  # conditioning entries padded batch-locally: stream key -> its mask key
+    latent_grid: Callable[[int, int, int], Grid]  # (height, width, num_frames) -> token grid; ValueError if refused
     noise_shape: Callable[[Any, Grid], tuple[int, ...]]  # (engine model config, grid) -> one sample's noise shape
+    # (without the batch dim: the engine draws each sample from its own generator and stacks them)
     pack_latents: Callable[[torch.Tensor], torch.Tensor]  # noise `[B, *noise_shape[1:]]` -> tokens `[B, S, C]`
     schedule: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (scheduler config, steps, tokens, device)
     load_decoder: Callable[[Path, torch.device, torch.dtype], Decoder]
+    latent_dtype: torch.dtype | None = None  # what the pipeline keeps latents in across steps; None: the model's
+    # (model output, latents, sigma) -> the velocity the pipeline steps with; None: the output itself
+    model_output: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     scheduler_config: Mapping[str, Any] = field(default_factory=dict)  # what a checkpoint without one schedules by
     schedule_note: str = ""  # why the schedule may refuse a step count, in a few words, for the error message
 
@@ -83,7 +93,7 @@ class TrainSide:
     parity_backend: str  # diffusers attention backend the default patch group pairs with
     masked_backend: str  # where a batch with a text mask goes (the parity backend refuses masks)
     timestep: Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # schedule t (fp32) -> what the pipeline passes
-    forward: Callable[..., torch.Tensor]  # (model, hidden, text, timestep(t), grid, text mask) -> prediction
+    forward: Callable[..., torch.Tensor]  # (model, hidden_states, timestep(t), grid, cond) -> prediction
     module: str = "diffusers"  # where `transformer_class` is found (a family written outside diffusers names its own)
 
     def model_class(self) -> type:
@@ -114,7 +124,7 @@ class ModelFamily:
     patch_groups: Mapping[str, PatchGroupSpec]
     pipeline: PipelineSide
     probe_inputs: Callable[..., dict]  # (config, batch, text_len, resolution, dtype, seed, device) -> the probe's
-    # seeded inputs: hidden_states, encoder_hidden_states, timestep (fp32 schedule t), img_shape (the grid)
+    # seeded inputs: hidden_states, timestep (fp32 schedule t), grid, cond (a batch's `Cond`)
     train: TrainSide
     presets: Presets
     recipe: Mapping[str, Any]  # the default sampling recipe: `SamplingParams` fields

@@ -97,14 +97,20 @@ class ParityProbe:
         self.train_backend = self.family.train.backend(dtype)
         self._train_forward()
 
+    def set_inputs(self, inputs: dict) -> None:
+        """Compare on other inputs (the family's `probe_inputs` layout: hidden_states, timestep, grid, cond), e.g. a
+        non-square video; the train forward is re-run on them."""
+        self.inputs = inputs
+        self._train_forward()
+
     def _train_forward(self) -> None:
         names = {n: [(n, None)] for n in _report_names(self.family, self.config, self.spec.layer_report)}
         train = self.family.train
         with torch.no_grad(), capture(self.train, names) as seen:
+            i = self.inputs
             self.train_output = train_model.train_forward(
-                self.family, self.train, self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
-                train.timestep(self.inputs["timestep"], self.spec.torch_dtype()), self.inputs["img_shape"],
-                backend=self.train_backend)
+                self.family, self.train, i["hidden_states"], train.timestep(i["timestep"], self.spec.torch_dtype()),
+                i["grid"], i["cond"], backend=self.train_backend)
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):
@@ -138,8 +144,8 @@ class ParityProbe:
 
     def compare_engine(self, engine, patch_group: str, disabled=()) -> tuple[ProbeResult, torch.Tensor]:
         with torch.no_grad(), capture(engine, engine_targets(engine, self.family, self.spec.layer_report)) as seen:
-            out = engine(self.inputs["hidden_states"], self.inputs["encoder_hidden_states"],
-                         self.inputs["timestep"], self.inputs["img_shape"])
+            i = self.inputs
+            out = engine(hidden_states=i["hidden_states"], timestep=i["timestep"], grid=i["grid"], **i["cond"])
         rows = compare(self.train_layers, seen)
         first = next((r for r in rows if r.max_abs_diff > 0), None)
         d = (out.float() - self.train_output.float()).abs()
@@ -170,7 +176,10 @@ class ParityProbe:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         s = self.spec
-        tensors = {k: v.contiguous().cpu() for k, v in self.inputs.items() if isinstance(v, torch.Tensor)}
+        # The conditioning under its model-input names, beside hidden_states and timestep (no key clashes: they
+        # are the transformer's keyword arguments).
+        tensors = {k: v.contiguous().cpu() for k, v in {**self.inputs, **self.inputs["cond"]}.items()
+                   if isinstance(v, torch.Tensor)}
         tensors["timestep_train"] = self.family.train.timestep(self.inputs["timestep"], s.torch_dtype()).cpu()
         tensors["engine_output"] = engine_output.contiguous().cpu()
         save_file(tensors, str(out / "inputs.safetensors"))
@@ -179,10 +188,10 @@ class ParityProbe:
             save_file({k: v.contiguous().cpu() for k, v in self.lora[0].items()}, str(out / "lora.safetensors"))
             files.append("lora.safetensors")
         manifest = {
-            "format": "trueflow-parity-probe/1",
+            "format": "trueflow-parity-probe/2",
             "checkpoint": str(Path(s.checkpoint).resolve()) if s.checkpoint else None,
             "family": self.family.name, "random_size": s.random_size, "seed": s.seed,
-            "dtype": s.dtype, "img_shape": list(self.inputs["img_shape"]),
+            "dtype": s.dtype, "grid": list(self.inputs["grid"]),
             "train_attention_backend": self.train_backend,
             "lora": None if self.lora is None else {
                 "rank": s.lora_rank, "alpha": s.lora_alpha if s.lora_alpha is not None else s.lora_rank,

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import queue
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
 
 from ..rewards.base import RewardError
 from .buckets import DEFAULT_BUCKET_BYTES, pack, unpack
+
+if TYPE_CHECKING:
+    from ..engine.interface import RolloutRequest
+    from ..engine.trajectory import Rollout
 
 
 class EngineProcessError(RuntimeError):
@@ -46,10 +51,13 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
     torch.set_num_threads(threads)
     try:
         from ..engine.engine import Engine
-        from ..rewards.base import build_reward, score
+        from ..engine.interface import ScoredEngine
+        from ..rewards.base import build_reward
 
         engine = Engine(**args)
-        reward = build_reward(*reward_args) if reward_args is not None else None
+        if reward_args is not None:  # scored here: the images never leave this process unscored
+            *spec, on_error, frames = reward_args
+            engine = ScoredEngine(engine, build_reward(*spec), on_error, frames)
         replies.put(("ok", "ready"))
     except ValueError as e:  # a bad setting (a reward spec, a patch name): the user's to fix, one line
         replies.put(("refused", str(e)))
@@ -65,18 +73,15 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
                 return
             if op == "rollout":
                 value = to_cpu(engine.rollout(*payload))
-            elif op == "rollout_scored":  # the reward placed in the engine process: images never leave it unscored
-                *rollout_args, prompts, on_error = payload
-                rollout = engine.rollout(*rollout_args)
-                value = (to_cpu(rollout), *score(reward, rollout.images, prompts, on_error=on_error))
-            elif op == "update_lora":
+            elif op == "update_weights":
                 buckets, scale, merge_mode = payload
                 # Clone out of the sender's buffers: they are the trainer's, freed once it has our answer.
-                engine.update_lora({k: v.clone() for k, v in unpack(buckets).items()}, scale, merge_mode)
+                value = engine.update_weights({k: v.clone() for k, v in unpack(buckets).items()}, scale, merge_mode)
                 del buckets
-                value = engine.lora_checksum()
-            elif op == "lora_checksum":
-                value = engine.lora_checksum()
+            elif op == "checksum":
+                value = engine.checksum()
+            elif op == "health":
+                value = engine.health()
             else:
                 raise ValueError(f"unknown engine request {op!r}")
             replies.put(("ok", value))
@@ -89,14 +94,15 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
 
 
 class EngineClient:
-    """The same calls as `Engine` (rollout, update_lora, lora_checksum), served by another process."""
+    """The engine interface (`engine.interface.RolloutEngine`) served by an `Engine` in another process."""
 
     def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 reward: tuple[str, str | None, str, str | None] | None = None, family: str | None = None):
-        """`reward`: (spec, model path, device, url) of a reward to build in the engine process, for
-        `rollout_scored`; None keeps rewards out of it. `family`: as `Engine`'s (where the checkpoint names none)."""
+                 reward: tuple[str, str | None, str, str | None, str, int] | None = None, family: str | None = None):
+        """`reward`: (spec, model path, device, url, on_error, frames) of a reward to build in the engine process, which
+        then scores every rollout (`ScoredEngine`); None keeps rewards out of it. `family`: as `Engine`'s (where
+        the checkpoint names none)."""
         ctx = mp.get_context("spawn")
         self.requests, self.replies = ctx.Queue(), ctx.Queue()
         self.bucket_bytes = bucket_bytes
@@ -127,28 +133,27 @@ class EngineClient:
         self.requests.put((op, payload))
         return self._reply()
 
-    def rollout(self, prompts, n_per_prompt, params, seed, decode=True, record_snapshot=False):
-        return self._call("rollout", prompts, n_per_prompt, params, seed, decode, record_snapshot)
+    def rollout(self, request: RolloutRequest) -> Rollout:
+        return self._call("rollout", request)
 
-    def rollout_scored(self, prompts, n_per_prompt, params, seed, record_snapshot, sample_prompts, on_error):
-        """A rollout and its rewards, both computed in the engine process: (rollout, scores, dropped)."""
-        return self._call("rollout_scored", prompts, n_per_prompt, params, seed, True, record_snapshot,
-                          sample_prompts, on_error)
-
-    def update_lora(self, state: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> str:
-        """Send the LoRA as buckets of IPC handles; returns the engine's checksum once the update is in place.
+    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+                       merge_mode: str | None = None) -> str:
+        """Send the weights as buckets of IPC handles; returns the engine's checksum once the update is in place.
         A bad update (names, shapes, values in the engine's dtype) raises EngineRequestRefused, a ValueError,
         and leaves the engine's weights as they were."""
         buckets = pack(state, self.bucket_bytes)
         for b in buckets:
             if b.buffer.device.type == "cpu":
                 b.buffer.share_memory_()
-        return self._call("update_lora", buckets, scale, merge_mode)  # the buckets live until the engine answers
+        return self._call("update_weights", buckets, lora_scale, merge_mode)  # the buckets live until it answers
 
-    def lora_checksum(self) -> str:
-        return self._call("lora_checksum")
+    def checksum(self) -> str:
+        return self._call("checksum")
 
-    def close(self) -> None:
+    def health(self) -> dict:
+        return {**self._call("health"), "process": self.process.pid}
+
+    def shutdown(self) -> None:
         if self.process.is_alive():
             self._call("close")
             self.process.join(timeout=30)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from ..collate import collate_text, warn_if_masked
-from ..engine.trajectory import Microgroup, Rollout, model_timestep
+from ..collate import Cond, collate_cond, cond_mask, sample_cond, warn_if_masked
+from ..engine.trajectory import Microgroup, Rollout
+from ..models.spec import ModelFamily
 from .pairs import Row
 
 
@@ -18,74 +19,73 @@ class TrainBatch:
     latents: torch.Tensor  # x_t [R, S, C]
     next_latents: torch.Tensor  # x_{t+1} as stored
     final_latents: torch.Tensor  # the trajectory's clean end x_T (σ = 0) [R, S, C]
-    timestep: torch.Tensor  # [R] the transformer's input, as the pipeline computes it
+    timestep: torch.Tensor  # [R] (or per token [R, S]) the transformer's input, as the pipeline computes it
     sigma: torch.Tensor  # [R] fp32
     sigma_next: torch.Tensor  # [R] fp32
     sigma_1: torch.Tensor  # 0-dim fp32
     old_log_prob: torch.Tensor  # [R] the engine's
     engine_guided: torch.Tensor  # [R, S, C] the engine's guided output (parity reference)
     advantages: torch.Tensor  # [R]
-    prompt_embeds: torch.Tensor
-    prompt_mask: torch.Tensor | None
-    negative_prompt_embeds: torch.Tensor | None
-    negative_prompt_mask: torch.Tensor | None
-    img_shape: tuple[int, int]
+    cond: Cond  # the positive branch's conditioning, collated as the engine collates a microgroup
+    negative_cond: Cond | None  # None without CFG
+    grid: tuple[int, ...]
 
 
 def _locate(rollout: Rollout) -> dict[int, tuple[Microgroup, int]]:
     return {s: (mg, i) for mg in rollout.microgroups for i, s in enumerate(mg.sample_indices)}
 
 
-def _text(embeds: torch.Tensor, mask: torch.Tensor | None, i: int) -> torch.Tensor:
-    """Sample i's own valid tokens (its padding removed), so a batch of other samples pads batch-locally."""
-    return embeds[i] if mask is None else embeds[i][mask[i]]
-
-
-def _pad_to(embeds: torch.Tensor, mask: torch.Tensor | None, width: int | None):
-    """The whole-window pad (condition 3 broken on purpose, for `--pad-text-to`): zeros up to `width`."""
-    if width is None or width <= embeds.shape[1]:
-        return embeds, mask
-    b, length, _ = embeds.shape
-    pad = embeds.new_zeros(b, width - length, embeds.shape[2])
-    full = torch.ones(b, length, dtype=torch.bool, device=embeds.device) if mask is None else mask
-    return torch.cat([embeds, pad], 1), torch.cat([full, full.new_zeros(b, width - length)], 1)
+def _pad_to(cond: Cond, streams: Mapping[str, str], width: int | None) -> Cond:
+    """The whole-window pad (condition 3 broken on purpose, for `--pad-text-to`): each stream zero-padded up to
+    `width` tokens, its mask false there."""
+    if width is None:
+        return cond
+    out = dict(cond)
+    for key, mask_key in streams.items():
+        embeds, mask = cond[key], cond.get(mask_key)
+        if embeds is None or width <= embeds.shape[1]:
+            continue
+        b, length = embeds.shape[:2]
+        pad = embeds.new_zeros(b, width - length, *embeds.shape[2:])
+        full = torch.ones(b, length, dtype=torch.bool, device=embeds.device) if mask is None else mask
+        out[key], out[mask_key] = torch.cat([embeds, pad], 1), torch.cat([full, full.new_zeros(b, width - length)], 1)
+    return out
 
 
 def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device: torch.device,
-             pad_text_to: int | None = None, parity: bool = True,
-             timestep: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = model_timestep) -> TrainBatch:
-    """`timestep`: schedule t (fp32) -> the transformer's input, the family's `train.timestep`."""
+             family: ModelFamily, pad_text_to: int | None = None, parity: bool = True) -> TrainBatch:
+    """The micro-batch of `rows` from the rollout's records: its conditioning re-collated from each sample's own
+    entries (batch-local padding, as the engine collates), the timestep as `family.train.timestep` makes it."""
     where = _locate(rollout)
     mgs = [where[r.sample] for r in rows]
     steps = [mg.sde_steps[r.slot] for r, (mg, _) in zip(rows, mgs)]
     dtype = mgs[0][0].latents.dtype
+    streams = family.pipeline.text_streams
 
     def stack(fn):
         return torch.stack([fn(mg, i, t) for (mg, i), t in zip(mgs, steps)]).to(device)
 
-    def text(field: str):
+    def cond(field: str) -> Cond | None:
         if getattr(mgs[0][0], field) is None:
-            return None, None
-        embeds, mask = collate_text([_text(getattr(mg, field), getattr(mg, field.replace("embeds", "mask")), i)
-                                     for mg, i in mgs])
-        return _pad_to(embeds.to(device), None if mask is None else mask.to(device), pad_text_to)
+            return None
+        batch = collate_cond([sample_cond(getattr(mg, field), i, streams) for mg, i in mgs], streams)
+        return _pad_to({k: None if v is None else v.to(device) for k, v in batch.items()}, streams, pad_text_to)
 
-    pos, pos_mask = text("prompt_embeds")
-    neg, neg_mask = text("negative_prompt_embeds")
+    pos, neg = cond("cond"), cond("negative_cond")
     cause = (f"whole-window pad to {pad_text_to} tokens" if pad_text_to is not None
              else "mixed prompt lengths in one micro-batch")
-    warn_if_masked(pos_mask if pos_mask is not None else neg_mask, parity=parity, cause=cause)
+    warn_if_masked(cond_mask(pos, streams) if cond_mask(pos, streams) is not None
+                   else None if neg is None else cond_mask(neg, streams), parity=parity, cause=cause)
     return TrainBatch(
         rows=rows,
         latents=stack(lambda mg, i, t: mg.latents[t, i]),
         next_latents=stack(lambda mg, i, t: mg.latents[t + 1, i]),
         final_latents=stack(lambda mg, i, t: mg.latents[-1, i]),
-        timestep=timestep(stack(lambda mg, i, t: mg.timesteps[t]), dtype),
+        timestep=family.train.timestep(stack(lambda mg, i, t: mg.timesteps[t]), dtype),
         sigma=stack(lambda mg, i, t: mg.sigmas[t]),
         sigma_next=stack(lambda mg, i, t: mg.sigmas[t + 1]),
         sigma_1=mgs[0][0].sigmas[1].to(device),
         old_log_prob=stack(lambda mg, i, t: mg.log_probs[t, i]),
         engine_guided=torch.stack([mg.guided_outputs[r.slot, i] for r, (mg, i) in zip(rows, mgs)]).to(device),
         advantages=advantages[[r.sample for r in rows]].to(device),
-        prompt_embeds=pos, prompt_mask=pos_mask, negative_prompt_embeds=neg, negative_prompt_mask=neg_mask,
-        img_shape=mgs[0][0].img_shape)
+        cond=pos, negative_cond=neg, grid=mgs[0][0].grid)

@@ -86,7 +86,10 @@ class TrainConfig(BaseModel):
                                                   "(default: all steps)", "rollout")
     cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1)
     negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
-    resolution: int = _f(64, "image side in pixels (multiple of 16)", "rollout", ge=16)
+    resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
+                         "rollout", ge=16)
+    num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
+                         ge=1)
     rollout_patch_group: str | None = _f(None, "the engine's patch group (default: the model family's)", "rollout",
                                          "patch_group")
     disable_patch: list[str] = _f([], "switch one patch of the group off (repeatable)", "rollout")
@@ -128,6 +131,11 @@ class TrainConfig(BaseModel):
                                     "workspace, no cuDNN autotuning), so two runs on one GPU train bit for bit alike; "
                                     "an op with no deterministic kernel then stops the run, naming it", "parallel")
     engine_process: bool = _f(False, "run the engine in its own process; LoRA synced by IPC handles", "parallel")
+    engine_url: list[str] | None = _f(None, "use running `trueflow serve` engines on this machine, one per rank in "
+                                            "rank order (repeatable); each must run this run's checkpoint, patch "
+                                            "group, dtype and CPU threads", "parallel", min_length=1)
+    threads: int | None = _f(None, "intra-op CPU threads of every rank and its engine (default: torch's; torchrun "
+                                   "sets 1)", "parallel", ge=1)
     train_dp_split_mode: Literal["contiguous", "stride"] = _f("contiguous", "how train pairs go to DP ranks",
                                                               "parallel")
     micro_batch_size_sample: int = _f(4, "samples per train micro-batch", "parallel", ge=1)
@@ -148,6 +156,8 @@ class TrainConfig(BaseModel):
         "reward", "placement")
     reward_url: str | None = _f(None, "URL given to the reward terms that take one (vlm_judge's chat server)",
                                 "reward", "url", min_length=1)
+    reward_frames: int = _f(3, "video: the image reward scores this many evenly spread frames of each sample and "
+                               "averages them", "reward", "frames", ge=1)
     reward_on_error: Literal["raise", "skip"] = _f("raise", "a failing reward: stop cleanly, or skip that "
                                                             "prompt's group", "reward", "on_error")
 
@@ -163,9 +173,11 @@ class TrainConfig(BaseModel):
                 data = {**data, "num_sde_steps": min(DEFAULT_NUM_SDE_STEPS, steps)}
         return data
 
-    @field_validator("lora_target_modules", "disable_patch", mode="before")
+    @field_validator("lora_target_modules", "disable_patch", "engine_url", mode="before")
     @classmethod
     def _names_in(cls, v: Any) -> Any:
+        if v == [None]:  # `--section.key null` on the command line: unset
+            return None
         return list(v) if isinstance(v, tuple) else v
 
     @field_validator("lora_target_modules", "disable_patch")
@@ -196,11 +208,20 @@ class TrainConfig(BaseModel):
                               f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
+        if self.engine_url and self.engine_process:
+            errors.append("--engine-url and --engine-process are two placements of the engine: choose one")
         if self.reward_placement == "engine" and not self.engine_process:
             errors.append("--reward-placement engine needs --engine-process (without it the engine runs in the "
                           "trainer's process, which is --reward-placement trainer)")
-        if self.resolution % 16:
-            errors.append(f"--resolution {self.resolution} must be a multiple of 16")
+        granule = self.model_family().pipeline.pixels_per_token
+        if self.resolution % granule:
+            errors.append(f"--resolution {self.resolution} must be a multiple of {granule} "
+                          f"({self.model_family().pipeline.size_reason})")
+        else:
+            try:
+                self.model_family().pipeline.latent_grid(self.resolution, self.resolution, self.num_frames)
+            except ValueError as e:
+                errors.append(f"--num-frames {self.num_frames}: {e}")
         if self.disable_patch and self.rollout_patch_group == "none":
             errors.append("--disable-patch needs a patch group; --patch-group none applies no patches")
         if self.ratio_norm == "grpo_guard" and self.sampler == "cps":
@@ -358,8 +379,8 @@ class TrainConfig(BaseModel):
 # What a resumed run may change: where it writes, how long it runs, what it logs, where its parts run (placement
 # changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
-                               "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "reward_placement",
-                               "gradient_checkpointing"})
+                               "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
+                               "reward_placement", "gradient_checkpointing"})
 RESUME_WARNS = frozenset({"device"})
 FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 

@@ -58,8 +58,10 @@ def all_reduce(values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
     return dict(zip(values, t.tolist()))
 
 
-def broadcast_object(obj, src: int = 0):
-    """`obj` from rank `src` to every rank (the rollout, produced by the engine on rank 0)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def all_gather_object(obj) -> list:
+    """Every rank's `obj` (picklable, on the CPU), in rank order."""
+    if dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -61,7 +61,7 @@ def step_record(step: int, rollout: int, step_in_rollout: int, scored: torch.Ten
     return {"step": step, "rollout": rollout, "step_in_rollout": step_in_rollout,
             "reward_mean": _mean(scored), "reward_std": _std(scored),
             "dropped_samples": dropped, **train,
-            "checksums_equal": sync["trainer_checksum"] == sync["engine_checksum"],
+            "checksums_equal": sync["checksums_equal"],
             "trainer_checksum": sync["trainer_checksum"], "engine_checksum": sync["engine_checksum"],
             **times, "time_train": time_train, "time_sync": sync["time_sync"]}
 

@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from ..collate import Cond, cond_mask
 from ..models.spec import ModelFamily
 
 
@@ -67,19 +68,20 @@ def train_forward(
     family: ModelFamily,
     model: torch.nn.Module,
     hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
     timestep: torch.Tensor,
     grid: tuple[int, ...],
-    encoder_hidden_states_mask: torch.Tensor | None = None,
+    cond: Cond,
     backend: str | None = None,
 ) -> torch.Tensor:
     """One forward of the family's train call with the attention backend chosen through diffusers' dispatch.
-    `timestep` is what the family's pipeline passes the transformer (`family.train.timestep`). A mask under the
-    family's parity backend, where that backend refuses masks (it differs from the masked one), falls back to the
-    masked backend, with a warning that the batch is no longer bitwise comparable."""
+    `timestep` is what the family's pipeline passes the transformer (`family.train.timestep`); `cond` a batch's
+    conditioning (`trueflow.collate`). A stream mask under the family's parity backend, where that backend refuses
+    masks (it differs from the masked one), falls back to the masked backend, with a warning that the batch is no
+    longer bitwise comparable."""
     train = family.train
     backend = backend or train.backend(hidden_states.dtype)
-    if encoder_hidden_states_mask is not None and backend == train.parity_backend != train.masked_backend:
+    masked = cond_mask(cond, family.pipeline.text_streams) is not None
+    if masked and backend == train.parity_backend != train.masked_backend:
         warnings.warn(f"train forward got a non-trivial text mask: falling back from `{train.parity_backend}` to the "
                       f"masked `{train.masked_backend}` backend; the kernel differs from the rollout's, so parity is "
                       "not bitwise (parity condition 2, docs/patch-group.md: mixed prompt lengths in one "
@@ -88,9 +90,15 @@ def train_forward(
     # Set on the model, not as a context around this call: with gradient checkpointing the blocks run again in
     # backward, after this function returned, and must take the same kernel.
     if getattr(model, "_trueflow_attention_backend", None) != backend:  # diffusers logs on every set
-        model.set_attention_backend(backend)
+        from diffusers.models.attention_dispatch import attention_backend
+
+        # `set_attention_backend` also makes `backend` diffusers' process-wide default, which every other diffusers
+        # module then runs (e.g. LTX-2's text connectors, whose masked attention `_native_flash` refuses): the
+        # context puts the default back, and the model's own processors keep `backend`.
+        with attention_backend(backend):
+            model.set_attention_backend(backend)
         model._trueflow_attention_backend = backend
-    return train.forward(model, hidden_states, encoder_hidden_states, timestep, grid, encoder_hidden_states_mask)
+    return train.forward(model, hidden_states, timestep, grid, cond)
 
 
 def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

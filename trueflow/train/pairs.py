@@ -1,8 +1,10 @@
-"""Train pairs — (sample, denoising step) — split across data-parallel ranks and tiled into micro-batches.
+"""Train pairs — (sample, denoising step) — of one rank's rollout, ordered and tiled into micro-batches.
 
-Nothing is shuffled (parity condition 8, docs/patch-group.md): samples keep the rollout's prompt-major order, and
-with the aligned settings (contiguous split, micro_batch_size_sample == rollout_microgroup_size,
-micro_batch_size_tstep == 1) a micro-batch is exactly one rollout microgroup at one step, the batch the engine ran.
+Each data-parallel rank rolls out its own share of the prompts (whole prompt groups, contiguous) and trains on it,
+so no sample crosses ranks. Nothing is shuffled (parity condition 8, docs/patch-group.md): samples keep the
+rollout's prompt-major order, and with the aligned settings (contiguous order, micro_batch_size_sample ==
+rollout_microgroup_size, micro_batch_size_tstep == 1) a micro-batch is exactly one rollout microgroup at one step,
+the batch the engine ran.
 """
 
 from __future__ import annotations
@@ -20,23 +22,17 @@ class Row:
     slot: int
 
 
-def rank_samples(microgroup_sizes: list[int], world: int, rank: int, mode: str) -> list[int]:
-    """Global sample indices this rank trains on. `contiguous` gives each rank whole microgroups (a block of
-    them); `stride` deals samples round-robin, which mixes prompts across ranks and micro-batches."""
+def train_order(microgroup_sizes: list[int], mode: str) -> list[int]:
+    """The rank's rollout samples in the order they are tiled into micro-batches. `contiguous` keeps the rollout's
+    order (whole microgroups); `stride` takes the first sample of every microgroup, then the second, ..., which
+    mixes prompts in one micro-batch (parity condition 4 broken on purpose)."""
     if mode not in SPLIT_MODES:
-        raise ValueError(f"unknown DP split mode {mode!r}; choose one of {', '.join(SPLIT_MODES)}")
-    n = sum(microgroup_sizes)
-    if mode == "stride":
-        if n % world:
-            raise ValueError(f"{n} samples cannot be dealt evenly to {world} ranks")
-        return list(range(rank, n, world))
-    if len(microgroup_sizes) % world:
-        raise ValueError(f"{len(microgroup_sizes)} microgroups cannot be split contiguously over {world} ranks; "
-                         "make rollout_batch_size * n_samples_per_prompt / rollout_microgroup_size a multiple "
-                         "of the number of ranks")
-    per_rank = len(microgroup_sizes) // world
-    start = sum(microgroup_sizes[: rank * per_rank])
-    return list(range(start, start + sum(microgroup_sizes[rank * per_rank:(rank + 1) * per_rank])))
+        raise ValueError(f"unknown split mode {mode!r}; choose one of {', '.join(SPLIT_MODES)}")
+    starts = [sum(microgroup_sizes[:m]) for m in range(len(microgroup_sizes))]
+    if mode == "contiguous":
+        return list(range(sum(microgroup_sizes)))
+    return [start + k for k in range(max(microgroup_sizes)) for start, size in zip(starts, microgroup_sizes)
+            if k < size]
 
 
 def micro_batches(samples: list[int], num_slots: int, mbs_sample: int, mbs_tstep: int) -> list[list[Row]]:

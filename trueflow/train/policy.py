@@ -40,7 +40,10 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 def shard(model: nn.Module, compute_dtype: torch.dtype, units: tuple[str, ...]) -> nn.Module:
     """FSDP2, one unit per item of each ModuleList named in `units` (the family's `train.shard_units`: its
     transformer blocks) and one for the rest (torchtitan's layout)."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Forward inputs are left as the model passes them (`cast_forward_inputs=False`): a model that keeps some
+    # tensors in fp32 on purpose (LTX-2.3's timestep and RoPE tables) must get them in fp32, as the plain compute-
+    # dtype model the engine is compared with does; FSDP2's default would round them to the compute dtype.
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for unit in units:
         for block in getattr(model, unit):
             fully_shard(block, mp_policy=mp)

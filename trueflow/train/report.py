@@ -31,8 +31,16 @@ TIMING_SERIES = (
 
 
 def write_sample_grid(rollout, path: Path) -> Path:
-    """One row per prompt, its samples left to right."""
-    images = rollout.images.cpu().numpy()  # [P*n, H, W, 3]
+    """One row per prompt, its samples left to right. A video rollout's grid shows each sample's middle frame, and
+    each prompt's first sample is written beside it as an MP4 (`<grid>-p<prompt>.mp4`)."""
+    images = rollout.images.cpu()
+    if images.ndim == 5:  # [P*n, F, H, W, 3]
+        from ..video import VIDEO_FPS, write_mp4
+
+        for p in range(images.shape[0] // rollout.n_per_prompt):
+            write_mp4(images[p * rollout.n_per_prompt], path.with_name(f"{path.stem}-p{p}.mp4"), VIDEO_FPS)
+        images = images[:, images.shape[1] // 2]
+    images = images.numpy()  # [P*n, H, W, 3]
     n, (h, w) = rollout.n_per_prompt, images.shape[1:3]
     p = images.shape[0] // n
     grid = images.reshape(p, n, h, w, 3).transpose(0, 2, 1, 3, 4).reshape(p * h, n * w, 3)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +17,9 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, resume_changes
 from .dist import init_distributed
 from .prompts import load_prompts
+
+if TYPE_CHECKING:
+    from ..engine.interface import RolloutEngine
 
 DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
@@ -67,10 +72,10 @@ def _check_schedule(cfg: TrainConfig) -> None:
     fam = cfg.model_family()
     path = Path(cfg.checkpoint) / "scheduler" / "scheduler_config.json"
     config = json.loads(path.read_text()) if path.is_file() else dict(fam.pipeline.scheduler_config)
-    rows, cols = fam.pipeline.latent_grid(cfg.resolution, cfg.resolution)[-2:]
+    tokens = math.prod(fam.pipeline.latent_grid(cfg.resolution, cfg.resolution, cfg.num_frames))
     try:
         with np.errstate(invalid="ignore", divide="ignore"):  # the failure is reported below, once
-            fam.pipeline.schedule(config, cfg.steps, rows * cols)
+            fam.pipeline.schedule(config, cfg.steps, tokens)
     except ValueError as e:  # e.g. one step under a terminal stretch of the sigmas (shift_terminal) divides by zero
         note = f" ({fam.pipeline.schedule_note})" if fam.pipeline.schedule_note else ""
         raise ValueError(f"--steps {cfg.steps}: {e}{note}; use more --steps") from None
@@ -82,25 +87,21 @@ def run_training(cfg: TrainConfig) -> Path | None:
     if cfg.deterministic:
         use_deterministic_kernels()
     ctx = init_distributed(cfg.device)
-    engine = reward = None
+    if cfg.threads is not None:  # every rank, so each rank's engine and train side run with the same count
+        torch.set_num_threads(cfg.threads)
+    engine = None
     try:
         _ensure_checkpoint(cfg, ctx.is_main)
         if ctx.world > 1:
             dist.barrier()
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
-        if ctx.is_main:
-            if not (cfg.engine_process and cfg.reward_placement == "engine"):  # before the engine: a bad spec fails fast
-                from ..rewards.base import build_reward
-
-                reward = build_reward(cfg.reward, cfg.reward_model, str(ctx.device), url=cfg.reward_url)
-            engine = _start_engine(cfg, dtype, ctx.device)
+        engine = _start_engine(cfg, {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype], ctx.device)
         from .trainer import Trainer
 
-        Trainer(cfg, ctx, engine, reward, resumed).run()
+        Trainer(cfg, ctx, engine, resumed).run()
         return Path(cfg.output_dir) if ctx.is_main else None
     finally:  # also when the run stops on an error: the engine process ends with it
-        if hasattr(engine, "close"):
-            engine.close()
+        if engine is not None:
+            engine.shutdown()
         dist.destroy_process_group()
 
 
@@ -115,17 +116,49 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device):
+def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) -> RolloutEngine:
+    """This rank's engine, scored: in this process, in its own process (which may also hold the reward), or a
+    `trueflow serve` server (`--engine-url`, one per rank)."""
+    from ..engine.interface import ScoredEngine
+    from ..rewards.base import build_reward
+    from ..sync.engine_process import EngineClient
+
+    where = dict(checkpoint=cfg.checkpoint, patch_group=cfg.engine_patch_group(),
+                 disabled_patches=tuple(cfg.disable_patch), dtype=dtype, family=cfg.family)
+    if cfg.engine_process and cfg.reward_placement == "engine":  # scored in the engine process
+        return EngineClient(**where, device=str(device), threads=torch.get_num_threads(),
+                            reward=(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
+                                    cfg.reward_frames))
+    reward = build_reward(cfg.reward, cfg.reward_model, str(device), url=cfg.reward_url)  # a bad spec fails fast
     if cfg.engine_process:
-        from ..sync.engine_process import EngineClient
+        engine = EngineClient(**where, device=str(device), threads=torch.get_num_threads())
+    elif cfg.engine_url:
+        from ..engine.http_engine import HttpEngine
 
-        reward = ((cfg.reward, cfg.reward_model, str(device), cfg.reward_url) if cfg.reward_placement == "engine"
-                  else None)
-        return EngineClient(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), str(device), dtype,
-                            threads=torch.get_num_threads(), reward=reward, family=cfg.family)
-    from ..engine.engine import Engine
+        if len(cfg.engine_url) != dist.get_world_size():
+            raise ValueError(f"--engine-url names {len(cfg.engine_url)} engine(s) for {dist.get_world_size()} ranks: "
+                             f"give one per rank, in rank order")
+        url = cfg.engine_url[dist.get_rank()]
+        engine = HttpEngine(url)
+        _check_served(cfg, engine.health(), url)
+    else:
+        from ..engine.engine import Engine
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        return Engine(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), device, dtype,
-                      family=cfg.family)
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            engine = Engine(**where, device=device)
+    return ScoredEngine(engine, reward, cfg.reward_on_error, cfg.reward_frames)
+
+
+def _check_served(cfg: TrainConfig, health: dict, url: str) -> None:
+    """A served engine must run what this run would have started itself: the same checkpoint, patch group, dtype
+    and (on CPU, parity condition 9) thread count."""
+    want = {"checkpoint": str(Path(cfg.checkpoint).resolve()), "patch_group": cfg.engine_patch_group(),
+            "disabled_patches": list(cfg.disable_patch), "dtype": str(torch.bfloat16 if cfg.dtype == "bf16"
+                                                                       else torch.float32).removeprefix("torch.")}
+    got = {**{k: health.get(k) for k in want}, "checkpoint": str(Path(health.get("checkpoint", "")).resolve())}
+    if str(health.get("device", "")).startswith("cpu"):
+        want["threads"], got["threads"] = torch.get_num_threads(), health.get("threads")
+    wrong = [f"{k} {got[k]!r} (this run: {want[k]!r})" for k in want if got[k] != want[k]]
+    if wrong:
+        raise ValueError(f"the engine server at {url} runs {', '.join(wrong)}; start it with this run's settings")

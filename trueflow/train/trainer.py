@@ -1,6 +1,10 @@
 """The GRPO loop: rollout -> rewards -> advantages -> train pairs -> micro-batches -> PPO-clip (or DiffusionNFT's
 loss) -> optimizer step -> LoRA sync -> next rollout.
 
+Every data-parallel rank has its own engine (any `engine.interface.RolloutEngine`, scored: its rollouts arrive
+with rewards), rolls out its contiguous share of the rollout's prompts, and trains on that rollout alone; only the
+rewards cross ranks (all-gathered before the group advantages), so no rollout is sent anywhere.
+
 Beside it: the train/rollout parity and the policy's change (`parity_monitor`), checkpoints (`checkpoint`), the
 metrics line of each optimizer step (`metrics`)."""
 
@@ -11,6 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,23 +23,26 @@ from tqdm import tqdm
 
 from ..engine.guidance import true_cfg
 from ..engine.samplers import cps_log_prob, sde_log_prob
-from ..rewards.base import RewardError, score
+from ..engine.interface import RolloutRequest
+from ..rewards.base import RewardError
 from ..rl.advantages import group_advantages
 from ..rl.grpo_guard import normalized_ratio, step_weight
 from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
-from ..sync.engine_process import to_cpu
 from . import checkpoint as ckpt
 from .batch import TrainBatch, assemble
 from .config import TrainConfig
-from .dist import DistContext, all_reduce, broadcast_object
+from .dist import DistContext, all_gather_object, all_reduce
 from .metrics import MetricsWriter, WandbSettings, step_record
 from .model import LoraSpec, train_forward
-from .pairs import micro_batches, rank_samples
+from .pairs import micro_batches, train_order
 from .parity_monitor import ParityMonitor, keep_rolled_out
 from .policy import build_policy, lora_full_state, lora_parameters
 from .prompts import load_prompts
+
+if TYPE_CHECKING:
+    from ..engine.interface import RolloutEngine
 from .report import write_sample_grid, write_summary
 from .schedule import LoraEMA, lr_scheduler
 
@@ -46,11 +54,14 @@ class StepState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine, reward, resumed: tuple | None = None):
-        """`engine`: an in-process `Engine` or an `EngineClient` (rank 0 only; None elsewhere); `reward`: a reward
-        callable (rank 0 only); `resumed`: with `cfg.resume`, what `checkpoint.load_latest` read (None: start
-        over)."""
-        self.cfg, self.ctx, self.engine, self.reward = cfg, ctx, engine, reward
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine: RolloutEngine, resumed: tuple | None = None):
+        """`engine`: this rank's engine, whose rollouts come back scored (`engine.interface.ScoredEngine`, or an
+        engine process that scores); `resumed`: with `cfg.resume`, what `checkpoint.load_latest` read (None:
+        start over)."""
+        if cfg.rollout_batch_size % ctx.world:
+            raise ValueError(f"--rollout-batch-size {cfg.rollout_batch_size} must be a multiple of the {ctx.world} "
+                             f"ranks: each rank rolls out an equal share of whole prompts")
+        self.cfg, self.ctx, self.engine = cfg, ctx, engine
         self.out = Path(cfg.output_dir)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
         self.prompts = load_prompts(cfg.prompts)
@@ -83,52 +94,53 @@ class Trainer:
 
     # -- weight sync ---------------------------------------------------------------------------------------------
     def _sync(self) -> dict:
-        """Send the LoRA compute copies to the engine; return both sides' checksums and the time taken."""
+        """Send the LoRA compute copies to every rank's engine (one checksum each, its answer to the update); return
+        the trainer's checksum, rank 0's engine's, whether every engine holds the trainer's LoRA, and the time
+        taken (the slowest rank's)."""
         t0 = time.perf_counter()
         state = lora_full_state(self.model, self.dtype)  # a collective: every rank takes part
-        if not self.ctx.is_main:
-            return {}
-        self.engine.update_lora(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
-        engine_sum = self.engine.lora_checksum()
-        return {"trainer_checksum": tensors_checksum(state), "engine_checksum": engine_sum,
-                "time_sync": time.perf_counter() - t0}
+        engine_sum = self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
+        trainer_sum = tensors_checksum(state)
+        sums = all_gather_object(engine_sum)
+        took = all_reduce({"time_sync": time.perf_counter() - t0}, dist.ReduceOp.MAX)
+        return {"trainer_checksum": trainer_sum, "engine_checksum": sums[0],
+                "checksums_equal": all(s == trainer_sum for s in sums), **took}
 
     # -- one rollout and its optimizer steps ---------------------------------------------------------------------
+    def _share(self) -> tuple[int, int]:
+        """This rank's prompts of a rollout: (first, count), a contiguous block of whole prompt groups."""
+        count = self.cfg.rollout_batch_size // self.ctx.world
+        return self.ctx.rank * count, count
+
     def _rollout(self, index: int):
+        """This rank's share of rollout `index`, scored by its engine; the whole rollout's rewards (all ranks',
+        prompt-major), its dropped samples (global indices) and its times (the slowest rank's)."""
         cfg = self.cfg
         prompts = [self.prompts[(index * cfg.rollout_batch_size + i) % len(self.prompts)]
                    for i in range(cfg.rollout_batch_size)]
-        payload = None
-        if self.ctx.is_main:
-            try:
-                payload = self._rollout_on_main(index, prompts)
-            except RewardError as e:  # every rank stops, not only rank 0
-                payload = ("reward failed", e.reward, e.prompts, e.reason)
-        # Over the wire on the CPU: unpickled on another rank, a CUDA tensor would land on rank 0's GPU.
-        payload = broadcast_object(to_cpu(payload)) if self.ctx.world > 1 else payload
-        if isinstance(payload[0], str):
-            raise RewardError(*payload[1:])
-        return payload
-
-    def _rollout_on_main(self, index: int, prompts: list[str]):
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        sample_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
-        args = (prompts, cfg.n_samples_per_prompt, self.sampling_params(), cfg.seed * 1_000_003 + index)
-        if self.reward is None:  # placed in the engine process: one round trip, times not split
-            rollout, rewards, dropped = self.engine.rollout_scored(*args, cfg.debug, sample_prompts,
-                                                                   cfg.reward_on_error)
-            t1 = time.perf_counter()
-        else:
-            rollout = self.engine.rollout(*args, record_snapshot=cfg.debug)
-            t1 = time.perf_counter()
-            rewards, dropped = score(self.reward, rollout.images, sample_prompts, on_error=cfg.reward_on_error)
-        t2 = time.perf_counter()
+        first, count = self._share()
+        request = RolloutRequest(prompts[first:first + count], cfg.n_samples_per_prompt, self.sampling_params(),
+                                 cfg.seed * 1_000_003 + index, first, record_snapshot=cfg.debug)
+        rollout = failure = None
+        try:
+            rollout = self.engine.rollout(request)
+        except RewardError as e:  # every rank stops, not only the one whose reward failed
+            failure = (e.reward, e.prompts, e.reason)
+        shares = all_gather_object(failure if failure else (rollout.rewards.cpu(), rollout.dropped))
+        failed = next((s for s in shares if isinstance(s[0], str)), None)
+        if failed:
+            raise RewardError(*failed)
+        n = cfg.n_samples_per_prompt
+        rewards = torch.cat([r for r, _ in shares])
+        dropped = [(rank * count) * n + i for rank, (_, ds) in enumerate(shares) for i in ds]
+        times = all_reduce({"time_rollout": rollout.times["rollout"], "time_reward": rollout.times["reward"]},
+                           dist.ReduceOp.MAX)
         if cfg.debug:
             from ..engine.snapshot import save_snapshot
 
-            save_snapshot(rollout, self.out / "snapshots" / f"rollout-{index:05d}.safetensors")
-        return rollout, rewards, dropped, {"time_rollout": t1 - t0, "time_reward": t2 - t1}
+            rank = f"-rank{self.ctx.rank}" if self.ctx.world > 1 else ""
+            save_snapshot(rollout, self.out / "snapshots" / f"rollout-{index:05d}{rank}.safetensors")
+        return rollout, rewards, dropped, times
 
     def sampling_params(self):
         from ..engine.engine import SamplingParams
@@ -136,7 +148,7 @@ class Trainer:
         c = self.cfg
         return SamplingParams(steps=c.steps, sampler=c.sampler, noise_level=c.noise_level, cfg_scale=c.cfg_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
-                              sde_window=c.sde_window, height=c.resolution, width=c.resolution,
+                              sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 
     def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
@@ -146,15 +158,20 @@ class Trainer:
         return cps_log_prob(b.next_latents, b.latents, guided, b.sigma, b.sigma_next, c.noise_level)
 
     def _guided(self, b: TrainBatch) -> torch.Tensor:
-        """Both CFG branches as two separate forwards on the recorded inputs, combined as the engine does."""
-        def branch(embeds, mask):
-            return train_forward(self.family, self.model, b.latents, embeds, b.timestep, b.img_shape, mask,
+        """Both CFG branches as two separate forwards on the recorded inputs, combined and post-processed as the
+        engine does (the family's `model_output`)."""
+        # The model reads the latents in the compute dtype, as the engine's runner casts them (a no-op where the
+        # pipeline keeps its latents in that dtype; LTX-2.3 keeps them in fp32).
+        latents = b.latents.to(self.dtype)
+
+        def branch(cond):
+            return train_forward(self.family, self.model, latents, b.timestep, b.grid, cond,
                                  backend=self.cfg.fsdp_attention_backend)
 
-        pos = branch(b.prompt_embeds, b.prompt_mask)
-        if b.negative_prompt_embeds is None:
-            return pos
-        return true_cfg(pos, branch(b.negative_prompt_embeds, b.negative_prompt_mask), self.cfg.cfg_scale)
+        pos = branch(b.cond)
+        v = pos if b.negative_cond is None else true_cfg(pos, branch(b.negative_cond), self.cfg.cfg_scale)
+        post = self.family.pipeline.model_output
+        return v if post is None else post(v, b.latents, b.sigma.reshape(-1, *([1] * (b.latents.ndim - 1))))
 
     def _policy_loss(self, b: TrainBatch, guided: torch.Tensor, log_prob: torch.Tensor, mean: torch.Tensor,
                      std: torch.Tensor) -> tuple[torch.Tensor, float | None]:
@@ -184,12 +201,12 @@ class Trainer:
         mismatch on a later step (`parity_on_every_step`)."""
         cfg, ctx = self.cfg, self.ctx
         sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
-        samples = rank_samples(sizes, ctx.world, ctx.rank, cfg.train_dp_split_mode)
+        samples = train_order(sizes, cfg.train_dp_split_mode)
         batches = micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample, cfg.micro_batch_size_tstep)
 
         def batch(rows) -> TrainBatch:
-            return assemble(rollout, rows, advantages, ctx.device, cfg.pad_text_to, cfg.rollout_patch_group != "none",
-                            self.family.train.timestep)
+            return assemble(rollout, rows, advantages, ctx.device, self.family, cfg.pad_text_to,
+                            cfg.rollout_patch_group != "none")
 
         def rolled_out_forward(rows) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
             b = batch(rows)
@@ -250,7 +267,9 @@ class Trainer:
             rollout, rewards, dropped, times = self._rollout(index)
             # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
             scored = rewards[~torch.isnan(rewards)]
-            advantages = group_advantages(rewards, cfg.n_samples_per_prompt, cfg.adv_clip_max, cfg.global_std)
+            first, count = self._share()
+            n = cfg.n_samples_per_prompt
+            advantages = group_advantages(rewards, n, cfg.adv_clip_max, cfg.global_std)[first * n:(first + count) * n]
             kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout)
             for k in range(cfg.num_steps_per_rollout):
                 t0 = time.perf_counter()
@@ -289,8 +308,9 @@ class Trainer:
             return
         state = self.ema.full_state(self.dtype)  # a collective: every rank takes part
         if self.ctx.is_main:
-            self.engine.update_lora(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
-            ema_rollout = self.engine.rollout(rollout.prompts, rollout.n_per_prompt, rollout.params, rollout.seed)
+            self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
+            ema_rollout = self.engine.rollout(RolloutRequest(rollout.prompts, rollout.n_per_prompt, rollout.params,
+                                                             rollout.seed, rollout.first_prompt))
             write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png")
         self._sync()
 

@@ -10,11 +10,16 @@ tests/test_families.py puts `tests/families` on `trueflow.models.__path__`, so t
 - the pipeline, as small as a rollout and `trueflow train` need: a seeded byte-embedding "text encoder", latent
   tokens drawn as they are used (no packing), a linear sigma schedule, a "VAE" that colours each token's 16x16
   pixels from three of its channels, and a pipeline class whose `save_lora_weights` writes the trainer's LoRA files.
+
+Its record differs from Qwen-Image's where a video family's would, so the generic code is shown not to assume an
+image family: the text stream is named `context` (mask `context_mask`), the token grid is (frames, rows, cols), and
+the timestep is per token (`[T, S]` in the schedule, `[B, S]` into the model).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import diffusers
@@ -81,7 +86,7 @@ class ToyBlock(nn.Module):
         self.attn, self.ff = ToyAttention(dim, heads), ToyFeedForward(dim)
 
     def forward(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(F.layer_norm(h, h.shape[-1:], eps=EPS) + temb[:, None])
+        h = h + self.attn(F.layer_norm(h, h.shape[-1:], eps=EPS) + temb)
         return h + self.ff(F.layer_norm(h, h.shape[-1:], eps=EPS))
 
 
@@ -96,17 +101,24 @@ class ToyDiT2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.transformer_blocks = nn.ModuleList(ToyBlock(dim, num_heads) for _ in range(num_layers))
         self.proj_out = nn.Linear(dim, in_channels)
 
-    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes=None, return_dict=False):
-        x, c = self.proj_in(hidden_states), self.txt_in(encoder_hidden_states)
-        temb = self.time_in(timestep[:, None])
+    def forward(self, hidden_states, context, timestep, img_shapes=None, context_mask=None, return_dict=False):
+        x, c = self.proj_in(hidden_states), self.txt_in(context)
+        temb = joint_temb(self.time_in(timestep[..., None]), c.shape[1])
         h = torch.cat([c, x], dim=1)
         for block in self.transformer_blocks:
             h = block(h, temb)
         return (self.proj_out(h[:, c.shape[1]:]),)
 
 
-def train_forward(model, hidden_states, encoder_hidden_states, timestep, grid, encoder_hidden_states_mask=None):
-    return model(hidden_states, encoder_hidden_states, timestep, img_shapes=[grid] * hidden_states.shape[0])[0]
+def joint_temb(temb: torch.Tensor, text_len: int) -> torch.Tensor:
+    """Per-token timestep embeddings `[B, S, D]` of the image tokens -> the joint sequence's: each text token takes
+    the first image token's."""
+    return torch.cat([temb[:, :1].expand(-1, text_len, -1), temb], dim=1)
+
+
+def train_forward(model, hidden_states, timestep, grid, cond):
+    return model(hidden_states, cond["context"], timestep, img_shapes=[grid] * hidden_states.shape[0],
+                 context_mask=cond.get("context_mask"))[0]
 
 
 # -- the engine side --------------------------------------------------------------------------------------------
@@ -139,9 +151,9 @@ class EngineBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         if self.exact_norm_add:
-            a = F.layer_norm(h, h.shape[-1:], eps=EPS) + temb[:, None]
+            a = F.layer_norm(h, h.shape[-1:], eps=EPS) + temb
         else:
-            a = (F.layer_norm(h.float(), h.shape[-1:], eps=EPS) + temb.float()[:, None]).to(h.dtype)
+            a = (F.layer_norm(h.float(), h.shape[-1:], eps=EPS) + temb.float()).to(h.dtype)
         h = h + self.attn(a)
         return h + self.ff(F.layer_norm(h, h.shape[-1:], eps=EPS))
 
@@ -160,10 +172,10 @@ class ToyEngine(nn.Module):
         self.proj_out = Linear(dim, c["in_channels"])
         self.lora_merge = True
 
-    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shape, encoder_hidden_states_mask=None):
-        x, c = self.proj_in(hidden_states), self.txt_in(encoder_hidden_states)
+    def forward(self, hidden_states, timestep, grid, context, context_mask=None):
+        x, c = self.proj_in(hidden_states), self.txt_in(context)
         t = timestep.to(x.dtype) / 1000 if self.exact_timestep else (timestep / 1000).to(x.dtype)
-        temb = self.time_in(t[:, None])
+        temb = joint_temb(self.time_in(t[..., None]), c.shape[1])
         h = torch.cat([c, x], dim=1)
         for block in self.transformer_blocks:
             h = block(h, temb)
@@ -223,9 +235,9 @@ def probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype
     side = resolution // PIXELS_PER_TOKEN
     hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
     ehs = torch.randn(batch, text_len, config["text_dim"], generator=g)
-    t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
-    return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
-            "timestep": t.to(device), "img_shape": (side, side)}
+    t = (torch.rand(1, generator=g) * 1000).expand(batch, side * side).contiguous()  # one per token
+    return {"hidden_states": hs.to(device, dtype), "timestep": t.to(device), "grid": (1, side, side),
+            "cond": {"context": ehs.to(device, dtype), "context_mask": None}}
 
 
 # -- the pipeline -----------------------------------------------------------------------------------------------
@@ -249,23 +261,26 @@ def load_text(root: Path, device, dtype: torch.dtype):
     return None, embed.to(device, dtype).eval()
 
 
-def encode_prompts(_tokenizer, text_encoder: nn.Embedding, prompts: list[str], max_len: int) -> list[torch.Tensor]:
+def encode_prompts(_tokenizer, text_encoder: nn.Embedding, prompts: list[str], max_len: int) -> list[dict]:
     device = text_encoder.weight.device
-    return [text_encoder(torch.tensor(list(p.encode()[:max_len]) or [0], device=device)) for p in prompts]
+    return [{"context": text_encoder(torch.tensor(list(p.encode()[:max_len]) or [0], device=device))}
+            for p in prompts]
 
 
-def latent_grid(height: int, width: int) -> tuple[int, int]:
-    return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+def latent_grid(height: int, width: int, num_frames: int) -> tuple[int, int, int]:
+    if num_frames != 1:
+        raise ValueError(f"the toy family makes one frame, got num_frames={num_frames}")
+    return 1, height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
 
 
-def schedule(_config: dict, steps: int, _tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def schedule(_config: dict, steps: int, tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     sigmas = torch.linspace(1, 0, steps + 1, dtype=torch.float32, device=device)
-    return sigmas, sigmas[:-1] * 1000
+    return sigmas, (sigmas[:-1] * 1000)[:, None].expand(steps, tokens).contiguous()  # [T, S]: one per token
 
 
 class ToyDecoder:
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        rows, cols = latent_grid(height, width)
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int) -> torch.Tensor:
+        _, rows, cols = latent_grid(height, width, num_frames)
         rgb = latents[..., :3].float().unflatten(1, (rows, cols)).tanh() * 0.5 + 0.5
         rgb = rgb.repeat_interleave(PIXELS_PER_TOKEN, 1).repeat_interleave(PIXELS_PER_TOKEN, 2)
         return (rgb.cpu() * 255).round().to(torch.uint8)
@@ -293,7 +308,8 @@ FAMILY = ModelFamily(
     pipeline=PipelineSide(
         folders=("scheduler",), pixels_per_token=PIXELS_PER_TOKEN, size_reason="toy VAE factor 8 x patch 2",
         max_text_tokens=MAX_TEXT_TOKENS, load_text=load_text, encode_prompts=encode_prompts, latent_grid=latent_grid,
-        noise_shape=lambda config, grid: (grid[0] * grid[1], config["in_channels"]), pack_latents=lambda x: x,
+        text_streams={"context": "context_mask"},
+        noise_shape=lambda config, grid: (math.prod(grid), config["in_channels"]), pack_latents=lambda x: x,
         schedule=schedule, load_decoder=lambda root, device, dtype: ToyDecoder(), scheduler_config=SCHEDULER_CONFIG,
     ),
     probe_inputs=probe_inputs,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ...engine.trajectory import model_timestep
+from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
 from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
@@ -18,7 +18,7 @@ from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
 from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
 from .scheduler_config import QWEN_IMAGE_SCHEDULER_CONFIG
-from .train import train_forward
+from .train import model_timestep, train_forward
 from .transformer import (FeedForward, JointAttention, OutputNorm, QwenImageConfig, TimestepEmbedding,
                           TransformerBlock, build_model)
 
@@ -29,6 +29,11 @@ def _load_text(root: Path, device: torch.device, dtype: torch.dtype):
     tokenizer = Qwen2Tokenizer.from_pretrained(root / "tokenizer")
     text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=dtype)
     return tokenizer, text_encoder.to(device).eval()
+
+
+def _encode_prompts(tokenizer, text_encoder, prompts: list[str], max_sequence_length: int) -> list[Cond]:
+    # Each prompt's valid tokens; the collate pads a batch's batch-locally with the pipeline's zeros and bool mask.
+    return [{"encoder_hidden_states": e} for e in encode_prompts(tokenizer, text_encoder, prompts, max_sequence_length)]
 
 
 def _noise_shape(config: QwenImageConfig, grid: tuple[int, int]) -> tuple[int, ...]:
@@ -56,8 +61,8 @@ def _probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtyp
     hs = torch.randn(batch, side * side, config["in_channels"], generator=g)
     ehs = torch.randn(batch, text_len, config["joint_attention_dim"], generator=g)
     t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
-    return {"hidden_states": hs.to(device, dtype), "encoder_hidden_states": ehs.to(device, dtype),
-            "timestep": t.to(device), "img_shape": (side, side)}
+    return {"hidden_states": hs.to(device, dtype), "timestep": t.to(device), "grid": (side, side),
+            "cond": {"encoder_hidden_states": ehs.to(device, dtype), "encoder_hidden_states_mask": None}}
 
 
 def _transformer_config(size: str) -> dict:
@@ -103,7 +108,8 @@ FAMILY = ModelFamily(
         size_reason=f"VAE factor {VAE_SCALE_FACTOR} x patch {PATCH}",
         max_text_tokens=TOKENIZER_MAX_LENGTH,
         load_text=_load_text,
-        encode_prompts=encode_prompts,
+        encode_prompts=_encode_prompts,
+        text_streams={"encoder_hidden_states": "encoder_hidden_states_mask"},
         latent_grid=latent_grid,
         noise_shape=_noise_shape,
         pack_latents=pack_latents,

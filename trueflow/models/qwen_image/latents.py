@@ -9,8 +9,11 @@ PATCH = 2  # latents are packed 2x2 into tokens, so one token covers 16x16 pixel
 PIXELS_PER_TOKEN = VAE_SCALE_FACTOR * PATCH
 
 
-def latent_grid(height: int, width: int) -> tuple[int, int]:
-    """The packed token grid (rows, columns) of an image of `height x width` pixels: the transformer's img_shape."""
+def latent_grid(height: int, width: int, num_frames: int = 1) -> tuple[int, int]:
+    """The packed token grid (rows, columns) of an image of `height x width` pixels: the transformer's
+    `img_shapes` entry (without its frame axis). Qwen-Image makes images: one frame."""
+    if num_frames != 1:
+        raise ValueError(f"Qwen-Image makes images: num_frames must be 1, got {num_frames}")
     return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
 
 

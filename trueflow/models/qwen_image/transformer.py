@@ -233,16 +233,17 @@ class QwenImageTransformer(nn.Module):
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         timestep: torch.Tensor,
-        img_shape: tuple[int, int],
+        grid: tuple[int, int],
         encoder_hidden_states_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states: packed latents [B, H·W, C]; encoder_hidden_states: [B, L, joint_dim]; timestep: [B]
-        fp32 schedule timesteps (0..1000; the model's own timestep path decides how it is scaled and rounded); img_shape: (H, W) in patches; mask: bool [B, L] or None (all tokens valid)."""
+        fp32 schedule timesteps (0..1000; the model's own timestep path decides how it is scaled and rounded);
+        grid: (H, W) in patches; mask: bool [B, L] or None (all tokens valid)."""
         img = self.img_in(hidden_states)
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(timestep, img.dtype)
         temb_act = F.silu(temb)  # every block's modulation reads SiLU(temb); computed once
-        rope = self.rope(img_shape[0], img_shape[1], txt.shape[1], img.device)
+        rope = self.rope(grid[0], grid[1], txt.shape[1], img.device)
         for block in self.transformer_blocks:
             txt, img = block(img, txt, temb_act, rope, encoder_hidden_states_mask)
         return self.proj_out(self.norm_out(img, temb))

@@ -22,8 +22,8 @@ class VaeDecoder:
         self.vae = AutoencoderKLQwenImage.from_pretrained(checkpoint, subfolder="vae", dtype=dtype).to(device).eval()
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Packed latents `[B, S, C]` -> uint8 images `[B, height, width, 3]` (on the CPU)."""
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
+        """Packed latents `[B, S, C]` of one frame -> uint8 images `[B, height, width, 3]` (on the CPU)."""
         vae = self.vae
         x = unpack_latents(latents, height, width).to(vae.dtype)
         z = vae.config.z_dim
