@@ -113,7 +113,7 @@ def test_latents_pack_bitwise(ckpt):
     packed = pack_latents(noise)
     assert torch.equal(unpack_latents(packed, (2, 2, 3)), LTX2Pipeline._unpack_latents(packed, 2, 2, 3, 1, 1))
     assert latent_grid(64, 96, 9) == (2, 2, 3) and latent_grid(512, 768, 57) == (8, 16, 24)
-    assert noise_shape(transformer_config("tiny"), (2, 2, 3)) == (1, 16, 2, 2, 3)
+    assert noise_shape(transformer_config("tiny"), (2, 2, 3)) == (16, 2, 2, 3)
     for bad in ((64, 96, 8), (60, 96, 9), (64, 100, 9)):
         with pytest.raises(ValueError):
             latent_grid(*bad)
@@ -127,7 +127,7 @@ def test_denoising_loop_bitwise(recorded):
     sigmas, _ = ltx2_schedule(LTX2_SCHEDULER_CONFIG, STEPS, grid[0] * grid[1] * grid[2])
     cfg = transformer_config("tiny")
     # prepare_latents: one fp32 draw for the batch from the generator, packed
-    noise = torch.randn((len(PROMPTS), *noise_shape(cfg, grid)[1:]), generator=torch.Generator().manual_seed(0))
+    noise = torch.randn((len(PROMPTS), *noise_shape(cfg, grid)), generator=torch.Generator().manual_seed(0))
     latents = pack_latents(noise)
     changed = 0
     for i, call in enumerate(calls):

@@ -32,9 +32,9 @@ def latent_grid(height: int, width: int, num_frames: int) -> tuple[int, int, int
 
 
 def noise_shape(config: Mapping[str, Any] | Any, grid: tuple[int, int, int]) -> tuple[int, ...]:
-    """One sample's initial noise `(1, C, frames, rows, cols)`, drawn fp32 by `prepare_latents` in this shape."""
+    """One sample's initial noise `(C, frames, rows, cols)` (`prepare_latents` draws the batch `[B, C, F, H, W]`)."""
     channels = config["in_channels"] if isinstance(config, Mapping) else config.in_channels
-    return (1, channels, *grid)
+    return (channels, *grid)
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

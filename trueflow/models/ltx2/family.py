@@ -1,0 +1,113 @@
+"""LTX-2.3 text-to-video (`LTX2Pipeline`, `LTX2VideoTransformer3DModel` in its 2.3 configuration) as a `ModelFamily`.
+
+The train side calls diffusers' transformer as the pipeline's unguided pass does, except `isolate_modalities=True`
+and a one-token audio stream (`train.py` says why and what that means); the engine computes the video stream alone
+(`transformer.py`), bitwise with it under the `ltx` patch group (`patches.py`). Heavy pieces (Gemma-3 and the
+connectors, the video VAE, diffusers' schedule and reference model, the checkpoint writer) are imported by the small
+functions below when called, so reading this spec loads none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...layers.linear import Linear
+from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
+from . import patches, weights
+from .latents import LATENT_DTYPE, PIXELS_PER_TOKEN, SIZE_REASON, latent_grid, noise_shape, pack_latents
+from .pipeline import model_output, probe_inputs
+from .prompts import MAX_TEXT_TOKENS, TEXT_STREAMS, encode_prompts, load_text
+from .scheduler_config import LTX2_SCHEDULER_CONFIG
+from .train import LORA_TARGETS, SHARD_UNITS, train_forward, train_timestep
+from .transformer import CrossAttention, FeedForward, SelfAttention, build_model
+
+
+def _schedule(scheduler_config: dict, num_steps: int, image_seq_len: int, device=None):
+    from .schedule import ltx2_schedule
+
+    return ltx2_schedule(scheduler_config, num_steps, image_seq_len, device)
+
+
+def _load_decoder(root: Path, device: torch.device, dtype: torch.dtype):
+    from .vae import VideoDecoder
+
+    return VideoDecoder(root, device, dtype)
+
+
+def _transformer_config(size: str) -> dict:
+    from .presets import transformer_config
+
+    return transformer_config(size)
+
+
+def _build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
+    from .presets import build_transformer
+
+    return build_transformer(size_or_config, seed, dtype, device)
+
+
+def _write_checkpoint(out: Path, size: str, seed: int, dtype: torch.dtype, device) -> None:
+    from .checkpoint import write_checkpoint
+
+    write_checkpoint(out, size, seed, dtype, device)
+
+
+FAMILY = ModelFamily(
+    name="ltx2",
+    pipeline_class="LTX2Pipeline",
+    default=False,
+    blocks=("transformer_blocks",),
+    engine=EngineSide(
+        build_model=build_model,
+        load_weights=weights.load_weights,
+        parse_peft_state_dict=weights.parse_peft_state_dict,
+        set_lora=weights.set_lora,
+        map_module_name=weights.map_module_name,
+        diffusers_module_name=weights.diffusers_module_name,
+        # A block returns the video stream alone where diffusers' returns (video, audio), and the timestep
+        # embedding returns viewed shapes: both are compared through their consumers.
+        comparable_modules=(Linear, SelfAttention, CrossAttention, FeedForward),
+        attention_backend=lambda m: m.transformer_blocks[0].attn1.backend if len(m.transformer_blocks) else "-",
+    ),
+    patch_groups={"ltx": PatchGroupSpec(patches.GROUP, patches.make_group, patches.TRAIN_ATTENTION_KERNELS)},
+    pipeline=PipelineSide(
+        folders=("tokenizer", "text_encoder", "connectors", "vae", "audio_vae", "vocoder", "scheduler"),
+        pixels_per_token=PIXELS_PER_TOKEN,
+        size_reason=SIZE_REASON,
+        max_text_tokens=MAX_TEXT_TOKENS,
+        load_text=load_text,
+        encode_prompts=encode_prompts,
+        text_streams=TEXT_STREAMS,
+        latent_grid=latent_grid,
+        noise_shape=noise_shape,
+        pack_latents=pack_latents,
+        schedule=_schedule,
+        load_decoder=_load_decoder,
+        latent_dtype=LATENT_DTYPE,
+        model_output=model_output,
+        scheduler_config=LTX2_SCHEDULER_CONFIG,
+        schedule_note="LTX-2's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps",
+    ),
+    probe_inputs=probe_inputs,
+    train=TrainSide(
+        transformer_class="LTX2VideoTransformer3DModel",
+        lora_targets=LORA_TARGETS,
+        shard_units=SHARD_UNITS,
+        # The transformer turns the connectors' all-ones mask into an additive bias for every text attention, which
+        # `_native_flash` refuses: the parity pairing is `native` (SDPA's own choice, the same call on both sides).
+        parity_backend=patches.DEFAULT_TRAIN_ATTENTION_BACKEND,
+        masked_backend=patches.DEFAULT_TRAIN_ATTENTION_BACKEND,
+        timestep=train_timestep,
+        forward=train_forward,
+    ),
+    presets=Presets(
+        transformer_config=_transformer_config,
+        build_transformer=_build_transformer,
+        write_checkpoint=_write_checkpoint,
+    ),
+    # The public LTX-2.3 GRPO recipe's sampling (`presets.RECIPE`, recipes/ltx23.yaml has the rest).
+    recipe={"steps": 24, "sampler": "cps", "noise_level": 0.8, "cfg_scale": 1.0, "num_sde_steps": 3,
+            "sde_window": (0, 10), "height": 512, "width": 768, "num_frames": 57, "max_sequence_length": 1024},
+)
