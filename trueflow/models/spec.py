@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..collate import Cond
+from ..parallel.plan import TPPlan
 from ..patches import PatchGroup
 
 Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video
@@ -44,6 +45,7 @@ class EngineSide:
     diffusers_module_name: Callable[..., str]  # (engine module, slot=None) -> diffusers module: the inverse
     comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name
     attention_backend: Callable[[nn.Module], str]  # the attention kernel a built model runs (for reports)
+    tp_plan: TPPlan | None = None  # tensor-parallel shard plan (docs/tensor-parallel.md); None: TP 1 only
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
+from ...parallel.plan import TPPlan
 from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
@@ -100,6 +101,15 @@ FAMILY = ModelFamily(
         comparable_modules=(Linear, RMSNorm, TimestepEmbedding, JointAttention, FeedForward, TransformerBlock,
                             OutputNorm),
         attention_backend=lambda m: m.transformer_blocks[0].attn.backend if len(m.transformer_blocks) else "-",
+        # Megatron's MMDiT split: q/k/v of both streams by heads and the FFNs' first layers by columns; their
+        # consumers (the output projections, the FFNs' second layers) by rows, one rank-ordered sum each. The
+        # modulation, norms, embedders and the final projection are replicated.
+        tp_plan=TPPlan(
+            column=(r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)",
+                    r"transformer_blocks\.\d+\.(img|txt)_mlp\.net\.0\.proj"),
+            row=(r"transformer_blocks\.\d+\.attn\.(to_out\.0|to_add_out)",
+                 r"transformer_blocks\.\d+\.(img|txt)_mlp\.net\.2"),
+            heads="num_attention_heads"),
     ),
     patch_groups={"qwen_image": PatchGroupSpec(patches.GROUP, patches.make_group, patches.TRAIN_ATTENTION_KERNELS)},
     pipeline=PipelineSide(

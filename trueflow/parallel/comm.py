@@ -1,0 +1,56 @@
+"""The tensor-parallel process group and its one collective: a sum across ranks in fixed rank order.
+
+An all_reduce sums in whatever order its algorithm picks (ring, tree, chunked), which a train side cannot
+reproduce. Here every rank gathers all partial outputs and adds them itself, rank 0 first: `((p0 + p1) + p2) + ...`
+in the tensors' dtype, the same on every rank and the same as the TP-matched train side's sum.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None  # None: the default group
+    collectives: int = field(default=0)  # collectives issued so far (a test counts them per forward)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tp(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
+    """Join the default process group on loopback: gloo on the CPU, NCCL on CUDA."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
+    return TPGroup(rank, size)
+
+
+def gather_sum(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Σ_r x_r over the ranks, added in rank order (p0 + p1, then + p2, ...) in x's dtype, identical on every rank."""
+    tp.collectives += 1
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return rank_order_sum(parts)
+
+
+def rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The one summation order both sides use: rank 0's part first, then each next rank's, one rounding per add."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out

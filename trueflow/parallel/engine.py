@@ -1,0 +1,120 @@
+"""A family's shard plan applied to a built engine model (torchtitan-style: the model code is unchanged; its planned
+`Linear` layers are swapped for sharded ones), weights and LoRA loaded sharded from the same diffusers names, and
+each rank's LoRA update confirmed by checksum.
+
+The attention needs no change: the engine's attention unflattens q/k/v by head dimension, so a rank whose q/k/v
+projections hold whole heads attends over its own heads, and its output is exactly the input columns its
+row-parallel `to_out` holds.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..engine.weights import resolve_lora_merge
+from ..layers.linear import Linear
+from ..models import family_for_config
+from ..models.spec import ModelFamily
+from ..patches import apply_patch_group
+from ..sync.checksum import tensors_checksum
+from .comm import TPGroup
+from .linear import sharded, replace_module
+from .plan import TPPlan, features_problem, shard_state_dict
+
+
+def tp_plan(family: ModelFamily, tp: int) -> TPPlan | None:
+    """The family's plan; refused (one line) where the family declares none and tp > 1."""
+    plan = family.engine.tp_plan
+    if plan is None and tp > 1:
+        raise ValueError(f"the {family.name} family declares no tensor-parallel plan; run it with --tp 1")
+    return plan
+
+
+def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
+    """Swap every planned `Linear` of a built engine model for its sharded layer. Checked first, applied only if
+    every layer divides. Returns the swapped engine module names."""
+    plan = tp_plan(family, tp.size)
+    name_of = family.engine.diffusers_module_name
+    swaps, problems = [], []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, Linear):
+            continue
+        kinds = {plan.kind(name_of(name, i if mod.packed else None)) for i in range(len(mod.splits))}
+        if kinds == {None}:
+            continue
+        if len(kinds) > 1:
+            problems.append(f"{name}: the projections packed in it are planned differently ({sorted(map(str, kinds))})")
+            continue
+        kind = kinds.pop()
+        if problem := features_problem(name, kind, mod.in_features, mod.splits, tp.size):
+            problems.append(problem)
+        swaps.append((name, mod, kind))
+    if problems:
+        raise ValueError("; ".join(problems))
+    for name, mod, kind in swaps:
+        replace_module(model, name, sharded(mod, kind, tp))
+    return [name for name, _, _ in swaps]
+
+
+def build_tp_engine_transformer(config: dict, state_dict: dict[str, torch.Tensor], tp: TPGroup, device="cpu",
+                                dtype: torch.dtype = torch.bfloat16, patch_group: str = "none",
+                                disabled_patches=(), family: str | None = None) -> nn.Module:
+    """`engine.weights.build_engine_transformer` for rank `tp.rank` of `tp.size`: the model built, its planned layers
+    swapped, the rank's slice of the full diffusers-named `state_dict` loaded (all or nothing), the group applied."""
+    fam = family_for_config(config, family)
+    plan = tp_plan(fam, tp.size)
+    plan.check(config, tp.size)
+    model = fam.engine.build_model(config, device=device, dtype=dtype)
+    model.tp_layers = apply_tp(model, fam, tp)
+    fam.engine.load_weights(model, shard_state_dict(plan, state_dict, tp.rank, tp.size))
+    apply_patch_group(model, patch_group, disabled_patches)
+    model.family, model.tp = fam, tp
+    return model
+
+
+def _lora_names(family: ModelFamily, peft_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT tensors under the names `engine.weights.lora_state` reads them back with (`M.lora_A.weight`)."""
+    return {f"{m}.lora_{ab}.weight": t for m, pair in family.engine.parse_peft_state_dict(peft_state_dict).items()
+            for ab, t in zip("AB", pair)}
+
+
+def update_lora_tp(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
+                   merge_mode: str | None = None) -> str:
+    """Install this rank's slice of a full PEFT LoRA (each rank takes its own; all or nothing, as `update_lora`).
+    Returns the checksum of what the rank's layers hold, read back (compare with `lora_shard_checksums`)."""
+    from ..engine.weights import lora_state
+
+    fam, tp = model.family, model.tp
+    engine = fam.engine
+    part = shard_state_dict(fam.engine.tp_plan, peft_state_dict, tp.rank, tp.size)
+    engine.set_lora(model, engine.parse_peft_state_dict(part), scale, merge=resolve_lora_merge(model, merge_mode))
+    return tensors_checksum(lora_state(model))
+
+
+def lora_shard_checksums(family: ModelFamily, peft_state_dict: dict[str, torch.Tensor], tp: int,
+                         dtype: torch.dtype) -> list[str]:
+    """The sender's side: per rank, the checksum of the slice that rank must hold, in the engine's dtype."""
+    plan = family.engine.tp_plan
+    return [tensors_checksum({k: v.to(dtype) for k, v in _lora_names(
+        family, shard_state_dict(plan, peft_state_dict, r, tp)).items()}) for r in range(tp)]
+
+
+_GATE_SAID = False
+
+
+def tp_gate(tp: int, patch_group: str, measured: float | None, matched: bool) -> None:
+    """Say once per process, as a warning, that a TP > 1 rollout under a parity patch group is not bitwise equal to
+    the stock train side, with the difference measured (None: not measured here)."""
+    global _GATE_SAID
+    if _GATE_SAID or tp == 1 or matched or patch_group == "none":
+        return
+    _GATE_SAID = True
+    diff = f"measured model_output_max_abs_diff {measured:.4g}" if measured is not None else \
+        "not measured here: run `trueflow parity --tp N` to measure it"
+    warnings.warn(f"TP gate: --tp {tp} under --patch-group {patch_group}: the engine runs the TP-aware LoRA forward "
+                  f"(row-parallel shares added before a rank-ordered sum), whose sums differ from the train side's "
+                  f"unsharded GEMMs; bitwise parity needs --tp 1 or the TP-matched train side "
+                  f"(--train-tp-match {tp}); {diff}", stacklevel=2)
