@@ -134,6 +134,15 @@ class TrainConfig(BaseModel):
     engine_url: list[str] | None = _f(None, "use running `trueflow serve` engines on this machine, one per rank in "
                                             "rank order (repeatable); each must run this run's checkpoint, patch "
                                             "group, dtype and CPU threads", "parallel", min_length=1)
+    ray: bool = _f(False, "place the trainer ranks and their engines as Ray actors (docs/scaling.md)", "parallel")
+    world_size: int | None = _f(None, "--ray: trainer ranks, each with its engine on its device (default: 1)",
+                                "parallel", ge=1)
+    ray_address: str | None = _f(None, "--ray: join this Ray cluster (`auto`, or the head's HOST:PORT) instead of "
+                                       "starting a local one", "parallel", min_length=1)
+    rollout_gpus: int | None = _f(None, "--ray, disaggregated: engine actors on devices of their own (CPU slots on "
+                                        "CPU), weights broadcast from trainer rank 0", "parallel", ge=1)
+    train_gpus: int | None = _f(None, "--ray, disaggregated: trainer ranks on devices of their own", "parallel",
+                                ge=1)
     threads: int | None = _f(None, "intra-op CPU threads of every rank and its engine (default: torch's; torchrun "
                                    "sets 1)", "parallel", ge=1)
     train_dp_split_mode: Literal["contiguous", "stride"] = _f("contiguous", "how train pairs go to DP ranks",
@@ -210,6 +219,7 @@ class TrainConfig(BaseModel):
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
         if self.engine_url and self.engine_process:
             errors.append("--engine-url and --engine-process are two placements of the engine: choose one")
+        errors += self._ray_errors()
         if self.reward_placement == "engine" and not self.engine_process:
             errors.append("--reward-placement engine needs --engine-process (without it the engine runs in the "
                           "trainer's process, which is --reward-placement trainer)")
@@ -239,6 +249,37 @@ class TrainConfig(BaseModel):
         if self.lr_warmup_steps and self.lr_warmup_steps >= total:
             errors.append(f"--lr-warmup-steps {self.lr_warmup_steps} must be less than the run's optimizer steps "
                           f"({total} = --num-rollouts x --num-steps-per-rollout)")
+        return errors
+
+    def ray_ranks(self) -> tuple[int, int]:
+        """(trainer ranks, engine actors of their own) of a --ray run; 0 engines: each rank's engine shares its
+        device (colocated)."""
+        if self.train_gpus is not None:
+            return self.train_gpus, self.rollout_gpus or 0
+        return self.world_size or 1, 0
+
+    def _ray_errors(self) -> list[str]:
+        named = [flag for flag, v in (("--world-size", self.world_size), ("--ray-address", self.ray_address),
+                                      ("--rollout-gpus", self.rollout_gpus), ("--train-gpus", self.train_gpus))
+                 if v is not None]
+        if not self.ray:
+            return [f"{', '.join(named)}: settings of a Ray run; add --ray"] if named else []
+        errors = []
+        if self.engine_process or self.engine_url:
+            errors.append("--ray places each rank's engine as a Ray actor: drop --engine-process / --engine-url")
+        if (self.rollout_gpus is None) != (self.train_gpus is None):
+            errors.append("a disaggregated --ray run takes both --rollout-gpus R and --train-gpus T")
+        elif self.train_gpus is not None:
+            if self.world_size not in (None, self.train_gpus):
+                errors.append(f"--world-size {self.world_size} and --train-gpus {self.train_gpus} both count the "
+                              "trainer ranks: give one")
+            if self.rollout_gpus > self.train_gpus:
+                errors.append(f"--rollout-gpus {self.rollout_gpus} exceeds --train-gpus {self.train_gpus}: each "
+                              "engine serves whole trainer ranks (rank r uses engine r*R//T); use at most T engines")
+        trainers = self.ray_ranks()[0]
+        if self.rollout_batch_size % trainers:
+            errors.append(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple of the {trainers} "
+                          "trainer ranks: each rank rolls out an equal share of whole prompts")
         return errors
 
     def model_family(self) -> "ModelFamily":
@@ -380,7 +421,8 @@ class TrainConfig(BaseModel):
 # changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
-                               "reward_placement", "gradient_checkpointing"})
+                               "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
+                               "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})
 FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 

@@ -117,8 +117,8 @@ def use_deterministic_kernels() -> None:
 
 
 def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) -> RolloutEngine:
-    """This rank's engine, scored: in this process, in its own process (which may also hold the reward), or a
-    `trueflow serve` server (`--engine-url`, one per rank)."""
+    """This rank's engine, scored: in this process, in its own process (which may also hold the reward), a
+    `trueflow serve` server (`--engine-url`, one per rank), or an engine actor of a Ray run (`--ray`)."""
     from ..engine.interface import ScoredEngine
     from ..rewards.base import build_reward
     from ..sync.engine_process import EngineClient
@@ -130,7 +130,11 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) ->
                             reward=(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
                                     cfg.reward_frames))
     reward = build_reward(cfg.reward, cfg.reward_model, str(device), url=cfg.reward_url)  # a bad spec fails fast
-    if cfg.engine_process:
+    if cfg.ray:
+        from ..ray.actors import connect_engine
+
+        engine = connect_engine(cfg, where, device)
+    elif cfg.engine_process:
         engine = EngineClient(**where, device=str(device), threads=torch.get_num_threads())
     elif cfg.engine_url:
         from ..engine.http_engine import HttpEngine

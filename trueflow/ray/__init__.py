@@ -1,0 +1,8 @@
+"""Ray placement of a training run (`trueflow train --ray`, docs/scaling.md): trainer ranks and rollout engines as
+Ray actors in one placement group. `launch.run_ray` is the driver; `actors` holds the actors and the client that
+puts an engine actor behind the one engine interface (`engine.interface.RolloutEngine`)."""
+
+
+class RayRunError(RuntimeError):
+    """A Ray run stopped on something other than bad input: an actor died, or a rank failed. The message is one
+    line naming the actor."""

@@ -1,0 +1,265 @@
+"""The actors of a Ray run and the client that puts an engine actor behind the one engine interface.
+
+A `TrainerActor` runs `train.run.run_training` as a torchrun worker would (RANK, WORLD_SIZE, MASTER_ADDR/PORT set
+by the driver); its `_start_engine` asks `connect_engine` for this rank's engine, an `EngineActor` of the same
+placement group, found by name:
+
+- colocated (`--world-size N`): engine `engine-r` shares trainer rank r's bundle (its device); LoRA updates cross
+  as weight buckets of IPC handles (`engine.wire.dump_handles`: shared memory on CPU, CUDA IPC on GPU), and the
+  engine answers with the checksum of what it installed.
+- disaggregated (`--rollout-gpus R --train-gpus T`): R engines on bundles of their own. Trainer rank r rolls out on
+  engine r·R//T (an engine serves T/R ranks' shares, one request after another). Trainer rank 0 broadcasts each
+  update in buckets over a process group of its own with the R engines (gloo on CPU, NCCL on GPU; not the
+  trainers' group); every engine answers with its checksum. The other ranks confirm that their engine holds the
+  LoRA they hold (by its checksum) before they roll out again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import ray
+import torch
+
+from ..sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, pack, unpack
+from ..sync.checksum import tensors_checksum
+
+if TYPE_CHECKING:
+    from ..engine.interface import RolloutEngine, RolloutRequest
+    from ..engine.trajectory import Rollout
+    from ..train.config import TrainConfig
+
+CONFIRM_TIMEOUT_S = 600.0  # how long a rank waits for rank 0's broadcast to reach its engine
+
+
+def trainer_name(rank: int) -> str:
+    return f"trainer-{rank}"
+
+
+def engine_name(index: int) -> str:
+    return f"engine-{index}"
+
+
+def engine_of_rank(rank: int, trainers: int, engines: int) -> int:
+    """The engine a disaggregated trainer rank rolls out on: contiguous blocks of ranks per engine."""
+    return rank * engines // trainers
+
+
+class ActorDied(RuntimeError):
+    """An actor of the run died; the message names it."""
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
+
+
+def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_host: str):
+    """The process group of a disaggregated run's weight broadcast: trainer rank 0 (rank 0, its TCP store's
+    host) and the engines, beside (not inside) the trainers' default group."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timedelta(minutes=5))
+    prefixed = dist.PrefixStore("trueflow-weights/", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefixed, rank, size)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=own_host)]
+    options._timeout = timedelta(minutes=30)
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+
+@ray.remote
+class EngineActor:
+    """An `engine.engine.Engine` in an actor of its own, loaded by the first trainer rank that connects."""
+
+    def __init__(self):
+        self.engine, self.args, self.group = None, None, None
+
+    def load(self, where: dict, device: str, threads: int, cwd: str) -> dict:
+        """Load the engine (a second call with the same settings does nothing); `cwd`: the driver's, against
+        which the run's relative paths are meant. On CPU it runs the trainer's thread count (parity condition 9)."""
+        if self.engine is None:
+            from ..engine.engine import Engine
+
+            os.chdir(cwd)
+            torch.set_num_threads(threads)
+            self.engine, self.args = Engine(**where, device=device), (where, device, threads)
+        elif self.args != (where, device, threads):
+            raise ValueError(f"{ray.get_runtime_context().get_actor_name()} already runs {self.args}, not "
+                             f"{(where, device, threads)}")
+        return self.health()
+
+    def rollout(self, request: RolloutRequest) -> Rollout:
+        from ..sync.engine_process import to_cpu
+
+        return to_cpu(self.engine.rollout(request))
+
+    def update_ipc(self, payload: bytes) -> str:
+        """An update sent as IPC handles (colocated): copied out of the sender's buffers, which it frees once it
+        has this answer."""
+        from ..engine.wire import load_handles
+
+        buckets, fields = load_handles(payload)
+        state = {k: v.clone() for k, v in unpack(buckets).items()}
+        del buckets
+        return self.engine.update_weights(state, fields["lora_scale"], fields["merge_mode"])
+
+    def join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
+        self.group = weights_group(host, port, rank, size, backend, ray.util.get_node_ip_address())
+
+    def receive(self, layout: list[tuple[list, int]], lora_scale: float | None, merge_mode: str | None) -> str:
+        """An update broadcast by trainer rank 0, bucket by bucket (`layout`: each bucket's manifest and size)."""
+        buckets = []
+        for manifest, nbytes in layout:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.engine.device)
+            self.group.broadcast(buffer, 0).wait()
+            buckets.append(Bucket(buffer, manifest))
+        return self.engine.update_weights(unpack(buckets), lora_scale, merge_mode)
+
+    def checksum(self) -> str:
+        return self.engine.checksum()
+
+    def health(self) -> dict:
+        return {**self.engine.health(), "threads": torch.get_num_threads(),
+                "actor": ray.get_runtime_context().get_actor_name(), "node": ray.util.get_node_ip_address()}
+
+
+@ray.remote
+class TrainerActor:
+    """One trainer rank: `run_training` with the environment torchrun would give it."""
+
+    def address(self) -> tuple[str, int]:
+        """(this node's address, a free port): the rendezvous of the trainers' process group (rank 0's)."""
+        from ..train.dist import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def run(self, cfg: TrainConfig, env: dict[str, str], threads: int, cwd: str) -> str | None:
+        from ..train.run import run_training
+
+        os.chdir(cwd)
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        out = run_training(cfg)
+        return None if out is None else str(out)
+
+
+def answer(ref, name: str):
+    """`ray.get(ref)` of a call to the engine actor `name`: its death raises `ActorDied` naming it, an error
+    the engine raised is raised as itself."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise ActorDied(f"the Ray engine actor {name} died ({_first_line(e)})") from None
+    except ray.exceptions.RayTaskError as e:
+        raise e.cause if isinstance(e.cause, Exception) else e from None
+
+
+class RayEngine:
+    """The engine interface (`engine.interface.RolloutEngine`) over an `EngineActor`: every call is
+    `ray.get(actor.method.remote(...))`. A dead actor raises `ActorDied` naming it; a request the engine refused
+    raises the engine's own error (a bad update: ValueError, nothing applied)."""
+
+    def __init__(self, actor, name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.actor, self.name, self.bucket_bytes = actor, name, bucket_bytes
+
+    def _get(self, ref):
+        return answer(ref, self.name)
+
+    def rollout(self, request: RolloutRequest) -> Rollout:
+        return self._get(self.actor.rollout.remote(request))
+
+    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+                       merge_mode: str | None = None) -> str:
+        from ..engine.wire import dump_handles
+
+        buckets = pack(state, self.bucket_bytes)
+        payload = dump_handles(buckets, lora_scale=lora_scale, merge_mode=merge_mode)
+        return self._get(self.actor.update_ipc.remote(payload))  # `buckets` lives until the engine answered
+
+    def checksum(self) -> str:
+        return self._get(self.actor.checksum.remote())
+
+    def health(self) -> dict:
+        return self._get(self.actor.health.remote())
+
+    def shutdown(self) -> None:
+        """The driver ends the actors with the run; nothing to release here."""
+
+
+class BroadcastEngine(RayEngine):
+    """A disaggregated rank's engine. On trainer rank 0 (`group` set) an update is broadcast to every engine, and
+    its answer is their common checksum (or, when they differ, a line naming the engine that differs, so the run's
+    `checksums_equal` is false); on another rank an update waits until this rank's engine holds it."""
+
+    def __init__(self, actor, name: str, engines: list[tuple[str, object]] | None = None, group=None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        super().__init__(actor, name, bucket_bytes)
+        self.engines, self.group = engines, group
+
+    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+                       merge_mode: str | None = None) -> str:
+        if self.group is None:
+            return self._confirm(state, lora_scale)
+        buckets = pack(state, self.bucket_bytes)
+        layout = [(b.manifest, b.buffer.numel()) for b in buckets]
+        refs = [(name, actor.receive.remote(layout, lora_scale, merge_mode)) for name, actor in self.engines]
+        for b in buckets:
+            self.group.broadcast(b.buffer, 0).wait()
+        sums = [(name, answer(ref, name)) for name, ref in refs]
+        differ = [f"{name} holds {s}" for name, s in sums if s != sums[0][1]]
+        return sums[0][1] if not differ else f"engines disagree: {sums[0][0]} holds {sums[0][1]}, {', '.join(differ)}"
+
+    def _confirm(self, state: dict[str, torch.Tensor], lora_scale: float | None) -> str:
+        if lora_scale is None:
+            raise ValueError("full weights are broadcast by trainer rank 0 alone")
+        want, deadline = tensors_checksum(state), time.monotonic() + CONFIRM_TIMEOUT_S
+        while (got := self.checksum()) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return got
+
+
+def connect_engine(cfg: TrainConfig, where: dict, device: torch.device) -> RolloutEngine:
+    """This trainer rank's engine actor, loaded with `where` (the `Engine` settings of `train.run._start_engine`);
+    on disaggregated rank 0, every engine, joined to the weight broadcast group."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainers, engines = cfg.ray_ranks()
+    if world != trainers:
+        raise ValueError(f"this Ray run places {trainers} trainer ranks, but the process group has {world}")
+
+    def actor(index: int):
+        try:
+            return ray.get_actor(engine_name(index))
+        except ValueError:
+            raise ValueError(f"no Ray engine actor {engine_name(index)} in this job: a --ray run starts with "
+                             "`trueflow train --ray`") from None
+
+    load = (where, device.type, torch.get_num_threads(), os.getcwd())
+    if not engines:  # colocated
+        client = RayEngine(actor(rank), engine_name(rank))
+        client._get(client.actor.load.remote(*load))
+        return client
+    mine = engine_of_rank(rank, trainers, engines)
+    if rank:
+        client = BroadcastEngine(actor(mine), engine_name(mine))
+        client._get(client.actor.load.remote(*load))
+        return client
+    named = [(engine_name(i), actor(i)) for i in range(engines)]
+    for name, ref in [(name, a.load.remote(*load)) for name, a in named]:  # loaded before the first broadcast
+        answer(ref, name)
+    from ..train.dist import free_port
+
+    host, port = ray.util.get_node_ip_address(), free_port()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    joins = [(name, a.join_weights_group.remote(host, port, i + 1, engines + 1, backend))
+             for i, (name, a) in enumerate(named)]
+    group = weights_group(host, port, 0, engines + 1, backend, host)
+    for name, ref in joins:
+        answer(ref, name)
+    return BroadcastEngine(named[mine][1], engine_name(mine), named, group)

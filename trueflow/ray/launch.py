@@ -1,0 +1,135 @@
+"""`trueflow train --ray`: the driver. It checks the settings (a mistake costs no cluster), starts a local Ray
+cluster on loopback (or joins `--ray-address`), reserves one placement-group bundle per device (a CPU slot on CPU,
+a GPU on CUDA) and places in it the trainer ranks, which run `run_training` as torchrun's workers do, and their
+engine actors (`actors`). It waits for the ranks; the first that fails stops every actor, and its error, one line
+naming the actor, is the run's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from . import RayRunError
+from ..train.config import TrainConfig
+
+PLACEMENT_TIMEOUT_S = 120.0
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)  # bad input: the CLI's one line and exit 2
+
+
+def run_ray(cfg: TrainConfig) -> Path:
+    """Run `cfg` (with `cfg.ray`) on Ray; returns the run folder. Raises what a rank raised for bad input (a
+    reward's error included), `RayRunError` naming the actor for anything else."""
+    import ray
+
+    from ..rewards.base import RewardError
+    from ..train.run import _check_before_loading, _ensure_checkpoint
+
+    _check_before_loading(cfg)
+    _ensure_checkpoint(cfg, True)
+    out = Path(cfg.output_dir).resolve()
+    temp = _start_cluster(cfg, out)
+    failed = True
+    try:
+        result = _place_and_run(cfg)
+        failed = False
+        return result
+    except ray.exceptions.RayTaskError as e:  # a rank's own error (raised in `_place_and_run`'s wait)
+        cause = e.cause
+        if isinstance(cause, (*USER_ERRORS, RewardError)):
+            raise cause from None
+        raise RayRunError(_stopped(str(cause), out)) from None
+    finally:
+        ray.shutdown()
+        if temp is not None and not failed:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _stopped(reason: str, out: Path) -> str:
+    return (f"{' '.join(reason.split())}; the run stopped, every actor with it; the checkpoints in {out} are "
+            "intact: --resume continues it")
+
+
+def _start_cluster(cfg: TrainConfig, out: Path) -> Path | None:
+    """Join `cfg.ray_address`, or start a local cluster bound to 127.0.0.1 whose temporary folder (sockets, logs)
+    lies in the run folder (elsewhere in the system's temp folder if that path is too long for Ray's sockets);
+    returns that folder (None when joining)."""
+    import ray
+
+    namespace = f"trueflow-{uuid.uuid4().hex[:8]}"  # this run's actor names
+    if cfg.ray_address is not None:
+        ray.init(address=cfg.ray_address, namespace=namespace, log_to_driver=True)
+        return None
+    temp = out / "ray"
+    if len(str(temp)) > 48:  # Ray's socket paths (temp/session_<time>_<pid>/sockets/...) must fit 107 characters
+        temp = Path(tempfile.mkdtemp(prefix="trueflow-ray-"))
+    trainers, engines = cfg.ray_ranks()
+    # On Linux Ray replaces 127.0.0.1 by the routable address unless told it runs no cluster of several machines.
+    old = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        ray.init(num_cpus=max(os.cpu_count() or 1, trainers + engines), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", _temp_dir=str(temp), namespace=namespace, log_to_driver=True)
+    finally:
+        if old is None:
+            del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
+    return temp
+
+
+def _place_and_run(cfg: TrainConfig) -> Path:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from .actors import EngineActor, TrainerActor, engine_name, trainer_name, _first_line
+
+    trainers, engines = cfg.ray_ranks()
+    gpu = torch.device(cfg.device).type == "cuda"
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([bundle] * (trainers + engines), strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        raise ValueError(f"the Ray cluster has no room for {trainers + engines} bundles of {bundle} within "
+                         f"{PLACEMENT_TIMEOUT_S:.0f} s: add nodes, or ask for fewer ranks (--world-size, "
+                         "--train-gpus, --rollout-gpus)")
+    # Colocated, a rank and its engine share the rank's bundle (half of its CPU slot and GPU each).
+    share = 0.5 if not engines else 1.0
+    resources = {"num_cpus": share, "num_gpus": share if gpu else 0}
+
+    def on(bundle_index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
+
+    actors = [EngineActor.options(name=engine_name(i), scheduling_strategy=on(trainers + i if engines else i),
+                                  **resources).remote() for i in range(engines or trainers)]
+    ranks = [TrainerActor.options(name=trainer_name(r), scheduling_strategy=on(r), **resources).remote()
+             for r in range(trainers)]
+    actors += ranks
+    try:
+        host, port = ray.get(ranks[0].address.remote())
+        env = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "WORLD_SIZE": str(trainers)}
+        if host.startswith("127."):
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        # torchrun's default: one intra-op thread per rank unless OMP_NUM_THREADS (or --threads) says otherwise.
+        threads = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
+        runs = {ranks[r].run.remote(cfg, {**env, "RANK": str(r), "LOCAL_RANK": "0" if gpu else str(r)}, threads,
+                                    os.getcwd()): trainer_name(r) for r in range(trainers)}
+        result, pending = None, list(runs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                value = ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                raise RayRunError(_stopped(f"the Ray trainer actor {runs[done[0]]} died ({_first_line(e)})",
+                                           Path(cfg.output_dir).resolve())) from None
+            result = result or value
+        return Path(result)
+    finally:  # also on an error: the other ranks may wait in a collective for the one that failed
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
