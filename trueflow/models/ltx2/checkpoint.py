@@ -166,12 +166,14 @@ def build_connectors(transformer_config: dict, text_hidden: int, text_layers: in
 
 
 def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> LTX2Pipeline:
+                   device: str | torch.device = "cpu", text_size: str | None = None) -> LTX2Pipeline:
     """A complete LTX2Pipeline in memory: the `size` transformer and the connectors in `dtype` on `device`, the
-    text encoder in `dtype`, the VAEs and the vocoder fp32 on the CPU."""
+    text encoder in `dtype`, the VAEs and the vocoder fp32 on the CPU. `text_size` ("tiny"/"full") sizes the text
+    encoder and the connectors' depth apart from the transformer (default: the transformer's size): a full-size
+    transformer with a tiny text stack still gets connectors as wide as its streams, and fits a small disk."""
     transformer = build_transformer(size, seed, dtype, device)
     tc = dict(transformer.config)
-    text_size = _text_size(tc)
+    text_size = text_size or _text_size(tc)
     tokenizer = build_tokenizer()
     text_encoder = build_text_encoder(tokenizer, text_size, seed + 1).to(dtype)
     text_cfg = text_encoder.config.text_config
