@@ -157,11 +157,20 @@ def _run_train(a: argparse.Namespace) -> int:
     if a.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from .ray import RayRunError
     from .rewards.base import RewardError
     from .train.run import run_training
 
     try:
-        out = run_training(cfg)
+        if cfg.ray:  # this process is the driver; the Ray actors run `run_training` (docs/scaling.md)
+            from .ray.launch import run_ray
+
+            out = run_ray(cfg)
+        else:
+            out = run_training(cfg)
+    except RayRunError as e:  # an actor died or a rank failed: one line naming it
+        print(f"trueflow train: error: {e}", file=sys.stderr)
+        return 1
     except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint intact
         raise ValueError(f"{e} (the run stopped; its last checkpoint is intact: fix the reward and --resume, or "
                          "--reward-on-error skip to drop failing prompt groups)") from None
