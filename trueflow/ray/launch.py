@@ -6,10 +6,12 @@ naming the actor, is the run's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -62,24 +64,33 @@ def _start_cluster(cfg: TrainConfig, out: Path) -> Path | None:
 
     namespace = f"trueflow-{uuid.uuid4().hex[:8]}"  # this run's actor names
     if cfg.ray_address is not None:
-        ray.init(address=cfg.ray_address, namespace=namespace, log_to_driver=True)
+        with _loopback(cfg.ray_address.startswith(("127.", "localhost:"))):  # a cluster on 127.0.0.1 (tests)
+            ray.init(address=cfg.ray_address, namespace=namespace, log_to_driver=True)
         return None
     temp = out / "ray"
     if len(str(temp)) > 48:  # Ray's socket paths (temp/session_<time>_<pid>/sockets/...) must fit 107 characters
         temp = Path(tempfile.mkdtemp(prefix="trueflow-ray-"))
     trainers, engines = cfg.ray_ranks()
-    # On Linux Ray replaces 127.0.0.1 by the routable address unless told it runs no cluster of several machines.
-    old = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    try:
+    with _loopback(True):
         ray.init(num_cpus=max(os.cpu_count() or 1, trainers + engines), include_dashboard=False,
                  _node_ip_address="127.0.0.1", _temp_dir=str(temp), namespace=namespace, log_to_driver=True)
-    finally:
-        if old is None:
-            del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
-        else:
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
     return temp
+
+
+@contextlib.contextmanager
+def _loopback(on: bool) -> Iterator[None]:
+    """On Linux Ray replaces 127.0.0.1 by the routable address unless told that it runs no cluster of several
+    machines; its processes started meanwhile keep that."""
+    key, old = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    if on:
+        os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if on and old is None:
+            del os.environ[key]
+        elif on:
+            os.environ[key] = old
 
 
 def _place_and_run(cfg: TrainConfig) -> Path:
