@@ -52,6 +52,11 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablate", action="store_true", help="also run with each patch of the group switched off alone")
     p.add_argument("--save", metavar="DIR", help="write inputs, engine output, LoRA and a manifest to DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each "
+                   "(docs/tensor-parallel.md; default: 1)")
+    p.add_argument("--train-tp-match", type=int, default=None, metavar="N",
+                   help="run each sharded layer of the train side as the engine's N ranks do (N = --tp): bitwise "
+                        "under TP (default: stock diffusers)")
 
 
 def _run_parity(a: argparse.Namespace) -> int:
@@ -62,11 +67,18 @@ def _run_parity(a: argparse.Namespace) -> int:
                      resolution=a.resolution, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, dtype=a.dtype,
                      seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
                      layer_report=a.layer_report)
-    probe = ParityProbe(spec)
-    result, engine_output = probe.run(a.patch_group, tuple(a.disable_patch))
-    ablation = probe.ablate(a.patch_group) if a.ablate else None
-    if a.save:
-        probe.save(a.save, result, engine_output)
+    if a.tp != 1 or a.train_tp_match is not None:
+        from .parity.tp import run_tp_probe
+
+        if a.ablate or a.save:
+            raise ValueError("--ablate and --save run at --tp 1; drop them or --tp")
+        result, ablation = run_tp_probe(spec, a.tp, a.train_tp_match, a.patch_group, tuple(a.disable_patch)), None
+    else:
+        probe = ParityProbe(spec)
+        result, engine_output = probe.run(a.patch_group, tuple(a.disable_patch))
+        ablation = probe.ablate(a.patch_group) if a.ablate else None
+        if a.save:
+            probe.save(a.save, result, engine_output)
     if a.json:
         out = result.to_json()
         out["layers"] = [vars(r) for r in result.layers]
@@ -75,6 +87,10 @@ def _run_parity(a: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(format_result(spec, result))
+        if a.tp != 1 or a.train_tp_match is not None:
+            print(f"  tensor parallel {result.tp}, train side {'TP-matched' if result.train_tp_match else 'stock'}, "
+                  f"{result.collectives_per_forward} rank-ordered sums per forward"
+                  + (", each rank's LoRA slice confirmed by checksum" if spec.lora_rank else ""))
         if ablation is not None:
             print(format_ablation(ablation))
     return 0
@@ -91,6 +107,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    "granule (Qwen-Image 16, LTX-2.3 32; default: 64)")
     p.add_argument("--num-frames", type=int, default=1, help="frames per sample: 1 for images; a video family's "
                    "count (LTX-2.3: 8k + 1) writes MP4s and frame strips (default: 1)")
+    p.add_argument("--fps", type=float, default=24.0, help="a video's frame rate: what a video family conditions on "
+                   "and the MP4s play at (default: 24)")
     add_engine_options(p, default_patch_group="none")
     p.add_argument("--snapshot", metavar="FILE", help="also write a debug snapshot of every step (docs/snapshot.md)")
     p.add_argument("--out", required=True, help="output folder for the PNGs (or MP4s) and settings.json")
@@ -105,11 +123,11 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .engine.engine import Engine, RolloutRequest, SamplingParams
     from .engine.snapshot import save_snapshot
     from .options import torch_dtype
-    from .video import VIDEO_FPS, write_mp4, write_strip
+    from .video import write_mp4, write_strip
 
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
-                            num_frames=a.num_frames)
+                            num_frames=a.num_frames, fps=a.fps)
     engine = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype))
     rollout = engine.rollout(RolloutRequest([a.prompt], a.num_images, params, a.seed,
                                             record_snapshot=a.snapshot is not None), progress=sys.stderr.isatty())
@@ -117,7 +135,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(rollout.images):
         if sample.ndim == 4:  # a video [F, H, W, 3]
-            write_mp4(sample, out / f"{i:04d}.mp4", VIDEO_FPS)
+            write_mp4(sample, out / f"{i:04d}.mp4", params.fps)
             write_strip(sample, out / f"{i:04d}-frames.png")
         else:
             Image.fromarray(sample.numpy()).save(out / f"{i:04d}.png")
