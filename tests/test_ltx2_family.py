@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from trueflow.cli import main
 from trueflow.train.config import TrainConfig
@@ -67,10 +69,10 @@ def _replay(snapshot: Path, m: int, t: int) -> dict:
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
-def _generate(ltx: Path, out: Path, group: str) -> Path:
+def _generate(ltx: Path, out: Path, group: str, fps: str = "24") -> Path:
     _stdout(["generate", "--checkpoint", str(ltx), "--prompt", "a red apple", "--num-images", "2", *VIDEO,
-             "--steps", "3", "--sampler", "sde", "--cfg-scale", "1", "--patch-group", group, "--snapshot",
-             str(out / "s.safetensors"), "--out", str(out)])
+             "--steps", "3", "--sampler", "sde", "--cfg-scale", "1", "--patch-group", group, "--fps", fps,
+             "--snapshot", str(out / "s.safetensors"), "--out", str(out)])
     return out / "s.safetensors"
 
 
@@ -84,6 +86,11 @@ def test_generate_writes_videos_and_a_snapshot_diffusers_replays(ltx, tmp_path):
         assert _replay(snapshot, 0, t) == {"microgroup": 0, "step": t, "bitwise_equal": True, "max_abs_diff": 0.0}
     # the failing side: the engine's fast numerics are not diffusers'
     assert _replay(_generate(ltx, tmp_path / "off", "none"), 0, 1)["bitwise_equal"] is False
+    # The frame rate is a model input (RoPE positions in seconds): another one gives other samples, which the replay,
+    # reading the recorded fps, still reproduces bit for bit.
+    slow = _generate(ltx, tmp_path / "slow", "ltx", fps="12")
+    assert _replay(slow, 0, 2)["bitwise_equal"] is True
+    assert not torch.equal(load_file(str(slow))["mg0/final_latents"], load_file(str(snapshot))["mg0/final_latents"])
 
 
 def test_train_is_bitwise_at_every_step(ltx, tmp_path):
@@ -103,7 +110,6 @@ def test_train_is_bitwise_at_every_step(ltx, tmp_path):
 def test_the_train_backend_stays_on_the_train_model(tiny_checkpoint, ltx):
     """A train forward on `_native_flash` (Qwen-Image's pairing) leaves diffusers' process-wide default alone, so the
     LTX-2.3 pipeline's own masked attention (its text connectors) still runs in the same process."""
-    import torch
     from diffusers import LTX2Pipeline
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 

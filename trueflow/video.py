@@ -8,11 +8,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-# The frame rate a video family conditions on and its MP4s play at: LTX2Pipeline's default. Another rate is not
-# offered yet: the engine's and the train side's RoPE positions (in seconds) depend on it, and a rollout's record does
-# not carry it.
-VIDEO_FPS = 24.0
-
 
 def write_mp4(frames: torch.Tensor, path: str | Path, fps: float) -> Path:
     """uint8 frames `[F, H, W, 3]` -> an H.264 MP4 at `fps` (PyAV, the `video` extra). yuv420p halves the chroma

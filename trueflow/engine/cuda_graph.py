@@ -7,8 +7,9 @@ forward: measured on an H200, a replayed graph of it equals its eager bits).
 
 Design:
 - Inputs are named, as the engine model takes them (`hidden_states`, `timestep`, the family's conditioning), plus
-  the static token `grid`. One graph per key: every input's name, shape and dtype (batch, image tokens, text
-  length, mask or not), the grid, the device, the model's patch group and whether the Triton kernels are on.
+  the static token `grid` and any non-tensor input (a video's fps). One graph per key: every tensor input's name,
+  shape and dtype (batch, image tokens, text length, mask or not), every other input's value, the grid, the device,
+  the model's patch group and whether the Triton kernels are on.
   Ambient settings at capture time (e.g. an `sdpa_kernel` context choosing the attention kernel) are frozen into
   that graph.
 - CFG: a guided step calls the same graph twice (positive, then negative branch: the same shapes); each call
@@ -84,19 +85,20 @@ def capture(fn: Callable[[], T], pool=None, warmup: int = 1) -> tuple[torch.cuda
     return graph, output
 
 
-Inputs = dict[str, "torch.Tensor | None"]
+Inputs = dict[str, "torch.Tensor | float | None"]  # the forward's keyword inputs besides the grid
 
 
 class _Graph:
     """One captured forward: static inputs, the graph, its static output."""
 
     def __init__(self, model: nn.Module, inputs: Inputs, grid: tuple[int, ...], pool, warmup: int):
-        self.inputs = {k: None if t is None else t.contiguous().clone() for k, t in inputs.items()}
+        # Tensors get static buffers; other inputs (None, a float) are part of the graph's key and passed as they are.
+        self.inputs = {k: t.contiguous().clone() if isinstance(t, torch.Tensor) else t for k, t in inputs.items()}
         self.graph, self.output = capture(lambda: model(grid=grid, **self.inputs), pool, warmup)
 
     def __call__(self, inputs: Inputs) -> torch.Tensor:
         for name, t in inputs.items():
-            if t is not None:
+            if isinstance(t, torch.Tensor):
                 self.inputs[name].copy_(t)
         self.graph.replay()
         return self.output.clone()
@@ -123,12 +125,13 @@ class GraphedForward:
         self.lora_state = self.pool = None
 
     def _key(self, inputs: Inputs, grid: tuple[int, ...]) -> tuple:
-        return (tuple((k, None if t is None else (tuple(t.shape), t.dtype)) for k, t in sorted(inputs.items())),
+        return (tuple((k, (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t)
+                      for k, t in sorted(inputs.items())),
                 tuple(grid), inputs["hidden_states"].device, tuple(getattr(self.model, "patches_applied", ())),
                 kernels.ENABLED)
 
     def _graphable(self, inputs: Inputs) -> bool:
-        tensors = [t for t in inputs.values() if t is not None]
+        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
         return (self.enabled and not torch.is_grad_enabled() and all(t.is_cuda for t in tensors)
                 and all(t.is_contiguous() for t in tensors if t.is_floating_point() and t.dim() >= 3))
 

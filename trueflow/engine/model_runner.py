@@ -66,6 +66,7 @@ class ModelRunner:
         # One prompt per microgroup: every row has the same length, so every mask collapses to None.
         pos = collate_cond([conds[0]] * b, pipe.text_streams)
         neg = collate_cond([conds[1]] * b, pipe.text_streams) if conds[1] is not None else None
+        static = pipe.static_inputs(params) if pipe.static_inputs is not None else {}
         # The pipeline's prepare_latents: drawn in the latent dtype, then packed into tokens. Made contiguous: a
         # packing may be a strided view (LTX-2.3's transpose), and a GEMM on a strided input can take another kernel
         # than on the contiguous micro-batch the train side stacks from the record (and the CUDA graphs need it).
@@ -81,8 +82,8 @@ class ModelRunner:
             t = timesteps[i].expand(b, *timesteps.shape[1:])
             # The model reads the latents in its own dtype (a no-op where the pipeline keeps them in it).
             model_input = x.to(self.dtype)
-            pos_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **pos)
-            neg_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **neg) if neg else None
+            pos_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **static, **pos)
+            neg_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **static, **neg) if neg else None
             v = true_cfg(pos_out, neg_out, params.cfg_scale) if neg_out is not None else pos_out
             if pipe.model_output is not None:
                 v = pipe.model_output(v, x, sigmas[i])
@@ -107,4 +108,4 @@ class ModelRunner:
             prompt_index=p, sample_indices=sample_indices, grid=grid,
             latents=torch.stack(latents), sigmas=sigmas, timesteps=timesteps, log_probs=log_probs,
             sde_steps=sde_steps, guided_outputs=torch.stack(guided) if guided else x.new_empty(0, *x.shape),
-            cond=pos, negative_cond=neg, records=records)
+            cond=pos, negative_cond=neg, static=static, records=records)

@@ -28,6 +28,7 @@ class SamplingParams:
     height: int = 64
     width: int = 64
     num_frames: int = 1  # 1: images; video families take more (each its own rule)
+    fps: float = 24.0  # a video's frame rate, which a video family conditions on (LTX-2.3's RoPE); images ignore it
     max_sequence_length: int = 512
     rollout_microgroup_size: int | None = None  # None: a prompt's n samples in one microgroup
 
@@ -36,7 +37,7 @@ class SamplingParams:
             self.sde_window = tuple(self.sde_window)  # e.g. a list read back from JSON
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        for name in ("noise_level", "cfg_scale"):  # NaN slips through every comparison below
+        for name in ("noise_level", "cfg_scale", "fps"):  # NaN slips through every comparison below
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.sampler not in SAMPLERS:
@@ -59,6 +60,8 @@ class SamplingParams:
             if not (0 <= lo < hi <= self.steps and hi - lo >= self.num_sde_steps):
                 raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= lo < hi <= steps={self.steps} "
                                  f"and hold num_sde_steps={self.num_sde_steps} steps")
+        if not self.fps > 0:
+            raise ValueError(f"fps must be > 0, got {self.fps}")
         if self.num_frames < 1:
             raise ValueError(f"num_frames must be >= 1 (1: an image), got {self.num_frames}")
         if self.rollout_microgroup_size is not None and self.rollout_microgroup_size < 1:

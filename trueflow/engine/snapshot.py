@@ -60,7 +60,7 @@ def snapshot_metadata(rollout: Rollout) -> dict:
         "dropped": rollout.dropped,
         "params": asdict(rollout.params),
         "microgroups": [{"prompt_index": mg.prompt_index, "sample_indices": mg.sample_indices,
-                         "grid": list(mg.grid), "sde_steps": mg.sde_steps} for mg in rollout.microgroups],
+                         "grid": list(mg.grid), "static": mg.static, "sde_steps": mg.sde_steps} for mg in rollout.microgroups],
         # A replay is bitwise only with the same kernels: same versions, and on CPU the same thread count.
         "torch_num_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,

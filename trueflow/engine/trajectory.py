@@ -51,6 +51,7 @@ class Microgroup:
     # and `encoder_hidden_states_mask`, None = all tokens valid: always, for one prompt)
     cond: Cond
     negative_cond: Cond | None  # the negative branch's; None without CFG
+    static: dict = field(default_factory=dict)  # the model's non-tensor inputs (e.g. a video's fps), both branches
     records: list[StepRecord] | None = None  # one per step, with record_snapshot=True
 
 

@@ -80,6 +80,9 @@ class PipelineSide:
     latent_dtype: torch.dtype | None = None  # what the pipeline keeps latents in across steps; None: the model's
     # (model output, latents, sigma) -> the velocity the pipeline steps with; None: the output itself
     model_output: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (sampling params) -> the model's non-tensor keyword inputs a request sets (LTX-2.3: {"fps": params.fps}), passed
+    # to the engine model and the train forward alike and recorded with each microgroup; None: there are none
+    static_inputs: Callable[[Any], dict[str, Any]] | None = None
     scheduler_config: Mapping[str, Any] = field(default_factory=dict)  # what a checkpoint without one schedules by
     schedule_note: str = ""  # why the schedule may refuse a step count, in a few words, for the error message
 
@@ -95,7 +98,7 @@ class TrainSide:
     parity_backend: str  # diffusers attention backend the default patch group pairs with
     masked_backend: str  # where a batch with a text mask goes (the parity backend refuses masks)
     timestep: Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # schedule t (fp32) -> what the pipeline passes
-    forward: Callable[..., torch.Tensor]  # (model, hidden_states, timestep(t), grid, cond) -> prediction
+    forward: Callable[..., torch.Tensor]  # (model, hidden_states, timestep(t), grid, cond, **static) -> prediction
     module: str = "diffusers"  # where `transformer_class` is found (a family written outside diffusers names its own)
 
     def model_class(self) -> type:

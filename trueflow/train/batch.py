@@ -29,6 +29,7 @@ class TrainBatch:
     cond: Cond  # the positive branch's conditioning, collated as the engine collates a microgroup
     negative_cond: Cond | None  # None without CFG
     grid: tuple[int, ...]
+    static: dict  # the model's non-tensor inputs, as the engine passed them (e.g. a video's fps)
 
 
 def _locate(rollout: Rollout) -> dict[int, tuple[Microgroup, int]]:
@@ -88,4 +89,4 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
         old_log_prob=stack(lambda mg, i, t: mg.log_probs[t, i]),
         engine_guided=torch.stack([mg.guided_outputs[r.slot, i] for r, (mg, i) in zip(rows, mgs)]).to(device),
         advantages=advantages[[r.sample for r in rows]].to(device),
-        cond=pos, negative_cond=neg, grid=mgs[0][0].grid)
+        cond=pos, negative_cond=neg, grid=mgs[0][0].grid, static=dict(mgs[0][0].static))

@@ -72,6 +72,7 @@ def train_forward(
     grid: tuple[int, ...],
     cond: Cond,
     backend: str | None = None,
+    **static,
 ) -> torch.Tensor:
     """One forward of the family's train call with the attention backend chosen through diffusers' dispatch.
     `timestep` is what the family's pipeline passes the transformer (`family.train.timestep`); `cond` a batch's
@@ -98,7 +99,7 @@ def train_forward(
         with attention_backend(backend):
             model.set_attention_backend(backend)
         model._trueflow_attention_backend = backend
-    return train.forward(model, hidden_states, timestep, grid, cond)
+    return train.forward(model, hidden_states, timestep, grid, cond, **static)
 
 
 def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

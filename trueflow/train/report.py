@@ -35,10 +35,10 @@ def write_sample_grid(rollout, path: Path) -> Path:
     each prompt's first sample is written beside it as an MP4 (`<grid>-p<prompt>.mp4`)."""
     images = rollout.images.cpu()
     if images.ndim == 5:  # [P*n, F, H, W, 3]
-        from ..video import VIDEO_FPS, write_mp4
+        from ..video import write_mp4
 
         for p in range(images.shape[0] // rollout.n_per_prompt):
-            write_mp4(images[p * rollout.n_per_prompt], path.with_name(f"{path.stem}-p{p}.mp4"), VIDEO_FPS)
+            write_mp4(images[p * rollout.n_per_prompt], path.with_name(f"{path.stem}-p{p}.mp4"), rollout.params.fps)
         images = images[:, images.shape[1] // 2]
     images = images.numpy()  # [P*n, H, W, 3]
     n, (h, w) = rollout.n_per_prompt, images.shape[1:3]

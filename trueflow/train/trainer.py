@@ -166,7 +166,7 @@ class Trainer:
 
         def branch(cond):
             return train_forward(self.family, self.model, latents, b.timestep, b.grid, cond,
-                                 backend=self.cfg.fsdp_attention_backend)
+                                 backend=self.cfg.fsdp_attention_backend, **b.static)
 
         pos = branch(b.cond)
         v = pos if b.negative_cond is None else true_cfg(pos, branch(b.negative_cond), self.cfg.cfg_scale)

@@ -87,6 +87,7 @@ FAMILY = ModelFamily(
         load_decoder=_load_decoder,
         latent_dtype=LATENT_DTYPE,
         model_output=model_output,
+        static_inputs=lambda params: {"fps": float(params.fps)},  # RoPE positions are in seconds
         scheduler_config=LTX2_SCHEDULER_CONFIG,
         schedule_note="LTX-2's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps",
     ),
