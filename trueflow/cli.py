@@ -107,6 +107,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    "granule (Qwen-Image 16, LTX-2.3 32; default: 64)")
     p.add_argument("--num-frames", type=int, default=1, help="frames per sample: 1 for images; a video family's "
                    "count (LTX-2.3: 8k + 1) writes MP4s and frame strips (default: 1)")
+    p.add_argument("--fps", type=float, default=24.0, help="a video's frame rate: what a video family conditions on "
+                   "and the MP4s play at (default: 24)")
     add_engine_options(p, default_patch_group="none")
     p.add_argument("--snapshot", metavar="FILE", help="also write a debug snapshot of every step (docs/snapshot.md)")
     p.add_argument("--out", required=True, help="output folder for the PNGs (or MP4s) and settings.json")
@@ -121,11 +123,11 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .engine.engine import Engine, RolloutRequest, SamplingParams
     from .engine.snapshot import save_snapshot
     from .options import torch_dtype
-    from .video import VIDEO_FPS, write_mp4, write_strip
+    from .video import write_mp4, write_strip
 
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
-                            num_frames=a.num_frames)
+                            num_frames=a.num_frames, fps=a.fps)
     engine = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype))
     rollout = engine.rollout(RolloutRequest([a.prompt], a.num_images, params, a.seed,
                                             record_snapshot=a.snapshot is not None), progress=sys.stderr.isatty())
@@ -133,7 +135,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(rollout.images):
         if sample.ndim == 4:  # a video [F, H, W, 3]
-            write_mp4(sample, out / f"{i:04d}.mp4", VIDEO_FPS)
+            write_mp4(sample, out / f"{i:04d}.mp4", params.fps)
             write_strip(sample, out / f"{i:04d}-frames.png")
         else:
             Image.fromarray(sample.numpy()).save(out / f"{i:04d}.png")
