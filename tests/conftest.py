@@ -113,3 +113,28 @@ class LoraMasters:
         for n, p in self.params.items():
             self.masters[n] += torch.randn(p.shape, generator=g) * std
             p.copy_(self.masters[n].to(p.dtype))
+
+
+def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dict:
+    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3) as written, on step `t` of
+    microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
+    import contextlib
+    import io
+    import json
+    import re
+    import runpy
+    import sys
+
+    doc = Path(__file__).parent.parent / "docs" / "snapshot.md"
+    code = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[script]
+    path = snapshot.parent / f"replay_step_{script}.py"
+    path.write_text(code)
+    argv, out = sys.argv, io.StringIO()
+    try:
+        sys.argv = [str(path), str(snapshot), str(m), str(t)]
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+

@@ -7,22 +7,19 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import replay_snapshot_step
 from trueflow.cli import main
 from trueflow.train.config import TrainConfig
 from trueflow.train.metrics import read_metrics
 from trueflow.train.run import run_training
 from trueflow.video import read_frames
 
-SNAPSHOT_DOC = Path(__file__).parent.parent / "docs" / "snapshot.md"
 VIDEO = ["--num-frames", "9", "--resolution", "64"]
 
 
@@ -54,21 +51,6 @@ def test_parity_is_bitwise_under_the_ltx_group_and_not_without(ltx):
     assert "rms_norm_scale_shift" in table and "lora_unmerged" in table
 
 
-def _replay(snapshot: Path, m: int, t: int) -> dict:
-    """docs/snapshot.md's LTX-2.3 replay script, as written, in this process (same threads)."""
-    code = re.findall(r"```python\n(.*?)```", SNAPSHOT_DOC.read_text(), re.S)[1]
-    script = snapshot.parent / "replay_ltx2_step.py"
-    script.write_text(code)
-    argv, out = sys.argv, io.StringIO()
-    try:
-        sys.argv = [str(script), str(snapshot), str(m), str(t)]
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    return json.loads(out.getvalue().strip().splitlines()[-1])
-
-
 def _generate(ltx: Path, out: Path, group: str, fps: str = "24") -> Path:
     _stdout(["generate", "--checkpoint", str(ltx), "--prompt", "a red apple", "--num-images", "2", *VIDEO,
              "--steps", "3", "--sampler", "sde", "--cfg-scale", "1", "--patch-group", group, "--fps", fps,
@@ -83,13 +65,14 @@ def test_generate_writes_videos_and_a_snapshot_diffusers_replays(ltx, tmp_path):
         assert frames.shape == (9, 64, 64, 3)  # exactly the requested frames, at the requested size
         assert (tmp_path / "on" / f"{i:04d}-frames.png").is_file()
     for t in (0, 2):
-        assert _replay(snapshot, 0, t) == {"microgroup": 0, "step": t, "bitwise_equal": True, "max_abs_diff": 0.0}
+        assert replay_snapshot_step(snapshot, 0, t, script=1) == {"microgroup": 0, "step": t, "bitwise_equal": True,
+                                                                  "max_abs_diff": 0.0}
     # the failing side: the engine's fast numerics are not diffusers'
-    assert _replay(_generate(ltx, tmp_path / "off", "none"), 0, 1)["bitwise_equal"] is False
+    assert replay_snapshot_step(_generate(ltx, tmp_path / "off", "none"), 0, 1, script=1)["bitwise_equal"] is False
     # The frame rate is a model input (RoPE positions in seconds): another one gives other samples, which the replay,
     # reading the recorded fps, still reproduces bit for bit.
     slow = _generate(ltx, tmp_path / "slow", "ltx", fps="12")
-    assert _replay(slow, 0, 2)["bitwise_equal"] is True
+    assert replay_snapshot_step(slow, 0, 2, script=1)["bitwise_equal"] is True
     assert not torch.equal(load_file(str(slow))["mg0/final_latents"], load_file(str(snapshot))["mg0/final_latents"])
 
 

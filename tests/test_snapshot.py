@@ -3,12 +3,8 @@ documented, and a step replayed with diffusers alone (docs/snapshot.md's own scr
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import assert_bitwise
+from conftest import assert_bitwise, replay_snapshot_step
 from trueflow.engine.interface import RolloutRequest
 from trueflow.cli import main
 from trueflow.engine.engine import Engine, SamplingParams
@@ -87,28 +83,13 @@ def test_every_key_is_documented(snapshot):
         assert f"| `{field}` |" in doc, f"metadata field {field} is not documented"
 
 
-def _replay(snapshot: Path, m: int, t: int) -> dict:
-    """Run docs/snapshot.md's replay script as written (in this process: same threads)."""
-    code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
-    script = snapshot.parent / "replay_step.py"
-    script.write_text(code)
-    argv, out = sys.argv, io.StringIO()
-    try:
-        sys.argv = [str(script), str(snapshot), str(m), str(t)]
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    return json.loads(out.getvalue().strip().splitlines()[-1])
-
-
 def test_a_step_replayed_with_diffusers_alone_is_the_record(snapshot, tiny_checkpoint, tmp_path):
     for t in (0, STEPS - 1):
-        result = _replay(snapshot, 0, t)
+        result = replay_snapshot_step(snapshot, 0, t)
         assert result == {"microgroup": 0, "step": t, "bitwise_equal": True, "max_abs_diff": 0.0}
     # the failing side: the engine's fast numerics are not diffusers'
     fast = generate(tiny_checkpoint, tmp_path, patch_group="none")
-    assert _replay(fast, 0, 1)["bitwise_equal"] is False
+    assert replay_snapshot_step(fast, 0, 1)["bitwise_equal"] is False
 
 
 def test_snapshot_rescoring_gives_the_recorded_log_prob_mean_and_std(snapshot):
