@@ -13,16 +13,13 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
+import tp_workers
 from trueflow.cli import main
-from trueflow.layers.linear import Linear, LoraAdapter
 from trueflow.models import get_family
-from trueflow.models.qwen_image.weights import NAMES
-from trueflow.models.weight_map import expected_tensors
 from trueflow.parallel import engine as tp_engine
-from trueflow.parallel.comm import free_port, init_tp
-from trueflow.parallel.linear import sharded
-from trueflow.parallel.plan import shard
+from trueflow.parallel.comm import free_port
 from trueflow.parallel.train_match import match_tp
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.parity.tp import run_tp_probe
@@ -84,8 +81,9 @@ def test_the_matched_train_side_computes_diffusers_function():
         i = FAMILY.probe_inputs(config, 2, 7, 64, dtype, 0, "cpu")
         backend = FAMILY.train.backend(dtype)
         with torch.no_grad():
-            outs = [train_model.train_forward(FAMILY, m, i["hidden_states"], FAMILY.train.timestep(i["timestep"], dtype),
-                                              i["grid"], i["cond"], backend=backend) for m in (stock, matched)]
+            t = FAMILY.train.timestep(i["timestep"], dtype)
+            outs = [train_model.train_forward(FAMILY, m, i["hidden_states"], t, i["grid"], i["cond"], backend=backend)
+                    for m in (stock, matched)]
         if dtype == torch.float32:
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
         else:
@@ -108,93 +106,9 @@ def test_a_shard_that_does_not_divide_is_refused(tiny_checkpoint, capsys):
 
 
 # -- shards, LoRA shares and checksums in 2 processes ---------------------------------------------------------
-def _full(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(rows, cols, generator=g, dtype=torch.float64)
-
-
-def _shards_rank(rank: int, tp: int, port: int, queue) -> None:
-    """What one rank reports: the formula's errors for a column->row pair with LoRA, its model shards against the
-    full tensors, and its LoRA checksum."""
-    torch.set_num_threads(1)
-    group = init_tp(rank, tp, port, torch.device("cpu"))
-    try:
-        report = {"rank": rank}
-        # A column-parallel layer (8 -> 12) feeding a row-parallel one (12 -> 8), each with a LoRA, in fp64.
-        g = torch.Generator().manual_seed(0)
-        x, s = torch.randn(3, 5, 8, generator=g, dtype=torch.float64), 0.5
-        W1, b1, A1, B1 = _full(12, 8, g), _full(1, 12, g)[0], _full(2, 8, g), _full(12, 2, g)
-        W2, b2, A2, B2 = _full(8, 12, g), _full(1, 8, g)[0], _full(2, 12, g), _full(8, 2, g)
-        col = sharded(Linear(8, 12).double(), "column", group)
-        row = sharded(Linear(12, 8).double(), "row", group)
-        with torch.no_grad():
-            col.weight.copy_(shard("column", "weight", W1, rank, tp))
-            col.bias.copy_(shard("column", "bias", b1, rank, tp))
-            row.weight.copy_(shard("row", "weight", W2, rank, tp))
-            if rank == 0:
-                row.bias.copy_(shard("row", "bias", b2, rank, tp))
-            report["row_bias_held"] = row.bias is not None
-            col.set_lora([LoraAdapter(shard("column", "lora_A", A1, rank, tp), shard("column", "lora_B", B1, rank, tp),
-                                      s)], merge=False)
-            row.set_lora([LoraAdapter(shard("row", "lora_A", A2, rank, tp), shard("row", "lora_B", B2, rank, tp), s)],
-                         merge=False)
-            h = col(x)
-            y = row(h)
-        # The formula, unsharded: h = x W1ᵀ + b1 + s·(x A1ᵀ) B1ᵀ, y = h W2ᵀ + b2 + s·(h A2ᵀ) B2ᵀ.
-        h_full = x @ W1.T + b1 + s * (x @ A1.T) @ B1.T
-        y_full = h_full @ W2.T + b2 + s * (h_full @ A2.T) @ B2.T
-        cols = slice(rank * 6, rank * 6 + 6)
-        report["h_err"] = (h - h_full[..., cols]).abs().max().item()
-        report["y_err"] = (y - y_full).abs().max().item()
-        report["share"] = (s * (h_full[..., cols] @ A2[:, cols].T) @ B2.T).abs().max().item()  # this rank's delta
-
-        # The tiny model, built sharded from full diffusers-named tensors.
-        config = FAMILY.presets.transformer_config("tiny")
-        full = FAMILY.engine.build_model(config, device="meta")
-        gm = torch.Generator().manual_seed(1)
-        state = {n: torch.randn((p[r] if r is not None else p).shape, generator=gm)
-                 for n, (p, r) in sorted(expected_tensors(full, NAMES).items())}
-        model = tp_engine.build_tp_engine_transformer(config, state, group, "cpu", torch.float32, family="qwen_image")
-        held = expected_tensors(model, NAMES)
-        wrong, fractions = [], set()
-        for name, t in state.items():
-            module, _, kind = name.rpartition(".")
-            plan_kind = PLAN.kind(module)
-            if plan_kind is None:
-                continue
-            p, rows = held.get(name, (None, None))
-            mine = None if p is None else (p[rows] if rows is not None else p)
-            if plan_kind == "row" and kind == "bias":
-                want = t if rank == 0 else None
-            else:  # the formula: column by output rows, row by input columns
-                want = t.chunk(tp, dim=0 if plan_kind == "column" else 1)[rank]
-                fractions.add(mine.numel() / t.numel())
-            if (mine is None) != (want is None) or (want is not None and not torch.equal(mine, want)):
-                wrong.append(name)
-        report["wrong_shards"], report["fractions"] = wrong, sorted(fractions)
-        report["sharded_layers"] = len(model.tp_layers)
-
-        # A PEFT LoRA on every planned layer: each rank takes its slice and reads it back as a checksum.
-        lora = {}
-        for name in sorted({n.rpartition(".")[0] for n in state if PLAN.kind(n.rpartition(".")[0])}):
-            p, rows = expected_tensors(full, NAMES)[f"{name}.weight"]
-            out_f, in_f = (p[rows] if rows is not None else p).shape
-            lora[f"transformer.{name}.lora_A.weight"] = torch.randn(4, in_f, generator=gm)
-            lora[f"transformer.{name}.lora_B.weight"] = torch.randn(out_f, 4, generator=gm)
-        report["checksum"] = tp_engine.update_lora_tp(model, lora, 1.0, "unmerged")
-        report["expected"] = tp_engine.lora_shard_checksums(FAMILY, lora, tp, torch.float32)
-        tampered = dict(lora)
-        key = next(k for k in lora if ".to_out.0.lora_A" in k)
-        tampered[key] = lora[key].clone()
-        tampered[key][0, -1] += 1  # an element of the last rank's columns only
-        report["expected_tampered"] = tp_engine.lora_shard_checksums(FAMILY, tampered, tp, torch.float32)
-        queue.put(report)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def test_shards_lora_shares_and_checksums_in_two_processes():
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_shards_rank, args=(TP, free_port(), queue), nprocs=TP, join=True)
+    mp.spawn(tp_workers.shards_rank, args=(TP, free_port(), queue), nprocs=TP, join=True)
     reports = sorted((queue.get() for _ in range(TP)), key=lambda r: r["rank"])
     for r in reports:
         # Every rank's share of the LoRA delta counts: one missing would be off by `share` (checked much larger).
@@ -207,3 +121,25 @@ def test_shards_lora_shares_and_checksums_in_two_processes():
     assert [r["row_bias_held"] for r in reports] == [True, False]  # the row-parallel bias is added once, by rank 0
     tampered = reports[0]["expected_tampered"]
     assert tampered[0] == reports[0]["expected"][0] and tampered[1] != reports[1]["expected"][1]
+
+
+def test_the_sum_over_three_ranks_is_in_rank_order():
+    """From 3 ranks the order of a sum matters: every rank's output is ((p0 + p1) + p2) of the parts written out
+    here (each rank's GEMM on its columns, the bias in rank 0's, its LoRA share), in bf16."""
+    tp = 3
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(tp_workers.row_sum_rank, args=(tp, free_port(), queue), nprocs=tp, join=True)
+    outs = {r: torch.from_numpy(y).to(torch.bfloat16) for r, y in (queue.get() for _ in range(tp))}
+    x, W, b, A, B, s = tp_workers.row_inputs(tp)
+    n = W.shape[1] // tp
+    parts = []
+    for r in range(tp):
+        c = slice(r * n, (r + 1) * n)
+        x_r = x[..., c].contiguous()
+        parts.append(F.linear(x_r, W[:, c].contiguous(), b if r == 0 else None)
+                     + F.linear(F.linear(x_r, A[:, c].contiguous()), B) * s)
+    want = (parts[0] + parts[1]) + parts[2]
+    assert not torch.equal(want, (parts[2] + parts[1]) + parts[0])  # these inputs tell the orders apart
+    for r in range(tp):
+        assert torch.equal(outs[r], want), f"rank {r} differs from the rank-ordered sum by " \
+                                           f"{(outs[r].float() - want.float()).abs().max().item()}"
