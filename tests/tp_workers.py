@@ -63,7 +63,9 @@ def shards_rank(rank: int, tp: int, port: int, queue) -> None:
         gm = torch.Generator().manual_seed(1)
         state = {n: torch.randn((p[r] if r is not None else p).shape, generator=gm)
                  for n, (p, r) in sorted(expected_tensors(full, NAMES).items())}
-        model = tp_engine.build_tp_engine_transformer(config, state, group, "cpu", torch.float32, family="qwen_image")
+        # Rank 0 sends each other rank its slice.
+        shards = tp_engine.scatter_shards(PLAN, state if rank == 0 else None, group, torch.device("cpu"))
+        model = tp_engine.build_tp_engine_transformer(config, shards, group, "cpu", torch.float32, family="qwen_image")
         held = expected_tensors(model, NAMES)
         wrong, fractions = [], set()
         for name, t in state.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..engine.weights import resolve_lora_merge
@@ -22,7 +23,7 @@ from ..patches import apply_patch_group
 from ..sync.checksum import tensors_checksum
 from .comm import TPGroup
 from .linear import sharded, replace_module
-from .plan import TPPlan, features_problem, shard_state_dict
+from .plan import TPPlan, features_problem, shard_state_dict, shard_tensor
 
 
 def tp_plan(family: ModelFamily, tp: int) -> TPPlan | None:
@@ -59,20 +60,46 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
     return [name for name, _, _ in swaps]
 
 
-def build_tp_engine_transformer(config: dict, state_dict: dict[str, torch.Tensor], tp: TPGroup, device="cpu",
+def build_tp_engine_transformer(config: dict, rank_state_dict: dict[str, torch.Tensor], tp: TPGroup, device="cpu",
                                 dtype: torch.dtype = torch.bfloat16, patch_group: str = "none",
                                 disabled_patches=(), family: str | None = None) -> nn.Module:
     """`engine.weights.build_engine_transformer` for rank `tp.rank` of `tp.size`: the model built, its planned layers
-    swapped, the rank's slice of the full diffusers-named `state_dict` loaded (all or nothing), the group applied."""
+    swapped, the rank's slice of the diffusers-named tensors (`plan.shard_state_dict`, or `scatter_shards`) loaded
+    all or nothing, the group applied."""
     fam = family_for_config(config, family)
-    plan = tp_plan(fam, tp.size)
-    plan.check(config, tp.size)
+    tp_plan(fam, tp.size).check(config, tp.size)
     model = fam.engine.build_model(config, device=device, dtype=dtype)
     model.tp_layers = apply_tp(model, fam, tp)
-    fam.engine.load_weights(model, shard_state_dict(plan, state_dict, tp.rank, tp.size))
+    fam.engine.load_weights(model, rank_state_dict)
     apply_patch_group(model, patch_group, disabled_patches)
     model.family, model.tp = fam, tp
     return model
+
+
+def scatter_shards(plan: TPPlan, state_dict: dict[str, torch.Tensor] | None, tp: TPGroup,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Rank 0 holds the full diffusers-named tensors (`state_dict`; None elsewhere) and sends each other rank its
+    slice, one tensor at a time (device to device under NCCL), so no rank but 0 ever holds more than its 1/N.
+    Returns this rank's slice."""
+    manifest = [None]
+    if tp.rank == 0:  # names, shapes and dtypes of every rank's slice, from meta tensors (no copies)
+        meta = {n: t.to("meta") for n, t in state_dict.items()}
+        manifest = [[{n: (tuple(t.shape), t.dtype) for n, t in shard_state_dict(plan, meta, r, tp.size).items()}
+                     for r in range(tp.size)]]
+    dist.broadcast_object_list(manifest, src=0, device=device if device.type == "cuda" else None, group=tp.group)
+    slices = manifest[0]
+    if tp.rank == 0:
+        for r in range(1, tp.size):
+            for name in sorted(slices[r]):
+                dist.send(shard_tensor(plan, name, state_dict[name], r, tp.size).to(device).contiguous(), dst=r,
+                          group=tp.group)
+        return shard_state_dict(plan, state_dict, 0, tp.size)
+    out = {}
+    for name in sorted(slices[tp.rank]):
+        shape, dtype = slices[tp.rank][name]
+        out[name] = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out[name], src=0, group=tp.group)
+    return out
 
 
 def _lora_names(family: ModelFamily, peft_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

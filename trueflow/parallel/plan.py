@@ -76,14 +76,11 @@ def shard_state_dict(plan: TPPlan, state_dict: dict[str, torch.Tensor], rank: in
                      tp: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s slice of diffusers-named tensors: full weights (`M.weight`, `M.bias`) or a PEFT LoRA
     (`M.lora_A.weight`, with PEFT's and diffusers' prefixes), under the same names; replicated tensors whole."""
-    out = {}
-    for name, t in state_dict.items():
-        m = _TENSOR.match(name)
-        kind = plan.kind(m.group("module")) if m else None
-        if kind is None:
-            out[name] = t
-            continue
-        part = shard(kind, m.group("lora") or m.group("param"), t, rank, tp)
-        if part is not None:
-            out[name] = part
-    return out
+    return {name: part for name, t in state_dict.items() if (part := shard_tensor(plan, name, t, rank, tp)) is not None}
+
+
+def shard_tensor(plan: TPPlan, name: str, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor | None:
+    """Rank `rank`'s part of the diffusers-named tensor `name` (the tensor itself where it is replicated)."""
+    m = _TENSOR.match(name)
+    kind = plan.kind(m.group("module")) if m else None
+    return t if kind is None else shard(kind, m.group("lora") or m.group("param"), t, rank, tp)

@@ -19,7 +19,8 @@ from .. import loading
 from ..models import family_for_checkpoint, get_family, family_for_config
 from ..models.spec import ModelFamily
 from ..parallel.comm import free_port, init_tp
-from ..parallel.engine import build_tp_engine_transformer, lora_shard_checksums, tp_gate, tp_plan, update_lora_tp
+from ..parallel.engine import (build_tp_engine_transformer, lora_shard_checksums, scatter_shards, tp_gate, tp_plan,
+                               update_lora_tp)
 from ..parallel.train_match import match_tp
 from .probe import ParityProbe, ProbeResult, ProbeSpec
 
@@ -83,18 +84,18 @@ def _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, de
         if train_tp_match is not None:
             match_tp(probe.train, probe.family.engine.tp_plan, train_tp_match)
             probe.set_inputs(probe.inputs)  # the train forward again, matched
-        # Objects travel on the CPU; a checkpoint's weights each rank reads itself.
-        payload = [probe.family.name, probe.config, None if spec.checkpoint else _cpu(probe.state_dict),
-                   None if probe.lora is None else (_cpu(probe.lora[0]), probe.lora[1]), _cpu(probe.inputs)]
+        # Small objects travel pickled, on the CPU; the weights as each rank's slice (`scatter_shards`).
+        payload = [probe.family.name, probe.config, None if probe.lora is None else (_cpu(probe.lora[0]),
+                   probe.lora[1]), _cpu(probe.inputs)]
     else:
-        payload = [None] * 5
-    dist.broadcast_object_list(payload, src=0, device=torch.device("cpu") if device.type == "cpu" else device)
-    family_name, config, state_dict, lora, inputs = payload
-    if state_dict is None:
-        state_dict = loading.read_transformer_state_dict(spec.checkpoint)
-    engine = build_tp_engine_transformer(config, state_dict, group, device, spec.torch_dtype(), patch_group,
+        payload = [None] * 4
+    dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
+    family_name, config, lora, inputs = payload
+    family = get_family(family_name)
+    shards = scatter_shards(family.engine.tp_plan, probe.state_dict if probe else None, group, device)
+    engine = build_tp_engine_transformer(config, shards, group, device, spec.torch_dtype(), patch_group,
                                          disabled, family=family_name)
-    del state_dict
+    del shards
     checksum = update_lora_tp(engine, lora[0], lora[1], spec.lora_merge_mode) if lora is not None else ""
     checksums = [None] * tp
     dist.all_gather_object(checksums, checksum)
