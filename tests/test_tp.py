@@ -112,8 +112,10 @@ def test_shards_lora_shares_and_checksums_in_two_processes():
     reports = sorted((queue.get() for _ in range(TP)), key=lambda r: r["rank"])
     for r in reports:
         # Every rank's share of the LoRA delta counts: one missing would be off by `share` (checked much larger).
-        assert r["h_err"] < 1e-12 and r["y_err"] < 1e-12, r
-        assert r["share"] > 1e-3, r
+        # Unmerged to fp64 rounding; merged to the fp32 in which `Linear.set_lora` forms W + s·B·A.
+        assert max(r["h_err_merged_False"], r["y_err_merged_False"]) < 1e-12, r
+        assert max(r["h_err_merged_True"], r["y_err_merged_True"]) < 1e-4, r
+        assert r["share"] > 1e-2, r
         assert r["wrong_shards"] == [], f"rank {r['rank']} holds wrong slices: {r['wrong_shards']}"
         assert r["fractions"] == [1 / TP], f"rank {r['rank']} holds fractions {r['fractions']} of sharded tensors"
         assert r["sharded_layers"] == 8 * FAMILY.presets.transformer_config("tiny")["num_layers"]  # 10 slots in 8

@@ -43,18 +43,20 @@ def shards_rank(rank: int, tp: int, port: int, queue) -> None:
             if rank == 0:
                 row.bias.copy_(shard("row", "bias", b2, rank, tp))
             report["row_bias_held"] = row.bias is not None
-            col.set_lora([LoraAdapter(shard("column", "lora_A", A1, rank, tp), shard("column", "lora_B", B1, rank, tp),
-                                      s)], merge=False)
-            row.set_lora([LoraAdapter(shard("row", "lora_A", A2, rank, tp), shard("row", "lora_B", B2, rank, tp), s)],
-                         merge=False)
-            h = col(x)
-            y = row(h)
+            outs = {}
+            for merge in (False, True):  # unmerged (PEFT's order per shard), then merged into each shard
+                col.set_lora([LoraAdapter(shard("column", "lora_A", A1, rank, tp),
+                                          shard("column", "lora_B", B1, rank, tp), s)], merge=merge)
+                row.set_lora([LoraAdapter(shard("row", "lora_A", A2, rank, tp), shard("row", "lora_B", B2, rank, tp),
+                                          s)], merge=merge)
+                outs[merge] = (col(x), row(col(x)))
         # The formula, unsharded: h = x W1ᵀ + b1 + s·(x A1ᵀ) B1ᵀ, y = h W2ᵀ + b2 + s·(h A2ᵀ) B2ᵀ.
         h_full = x @ W1.T + b1 + s * (x @ A1.T) @ B1.T
         y_full = h_full @ W2.T + b2 + s * (h_full @ A2.T) @ B2.T
         cols = slice(rank * 6, rank * 6 + 6)
-        report["h_err"] = (h - h_full[..., cols]).abs().max().item()
-        report["y_err"] = (y - y_full).abs().max().item()
+        for merge, (h, y) in outs.items():
+            report[f"h_err_merged_{merge}"] = (h - h_full[..., cols]).abs().max().item()
+            report[f"y_err_merged_{merge}"] = (y - y_full).abs().max().item()
         report["share"] = (s * (h_full[..., cols] @ A2[:, cols].T) @ B2.T).abs().max().item()  # this rank's delta
 
         # The tiny model, built sharded from full diffusers-named tensors.

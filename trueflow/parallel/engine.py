@@ -15,23 +15,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.weights import resolve_lora_merge
+from ..engine.weights import lora_state, resolve_lora_merge
 from ..layers.linear import Linear
 from ..models import family_for_config
 from ..models.spec import ModelFamily
 from ..patches import apply_patch_group
 from ..sync.checksum import tensors_checksum
 from .comm import TPGroup
-from .linear import sharded, replace_module
+from .linear import replace_module, sharded
 from .plan import TPPlan, features_problem, shard_state_dict, shard_tensor
 
 
-def tp_plan(family: ModelFamily, tp: int) -> TPPlan | None:
-    """The family's plan; refused (one line) where the family declares none and tp > 1."""
-    plan = family.engine.tp_plan
-    if plan is None and tp > 1:
-        raise ValueError(f"the {family.name} family declares no tensor-parallel plan; run it with --tp 1")
-    return plan
+def tp_plan(family: ModelFamily, tp: int) -> TPPlan:
+    """The family's plan; refused (one line) where the family declares none."""
+    if family.engine.tp_plan is None:
+        raise ValueError(f"the {family.name} family declares no tensor-parallel plan: run it without --tp "
+                         f"{tp} (and without --train-tp-match)")
+    return family.engine.tp_plan
 
 
 def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
@@ -112,8 +112,6 @@ def update_lora_tp(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], s
                    merge_mode: str | None = None) -> str:
     """Install this rank's slice of a full PEFT LoRA (each rank takes its own; all or nothing, as `update_lora`).
     Returns the checksum of what the rank's layers hold, read back (compare with `lora_shard_checksums`)."""
-    from ..engine.weights import lora_state
-
     fam, tp = model.family, model.tp
     engine = fam.engine
     part = shard_state_dict(fam.engine.tp_plan, peft_state_dict, tp.rank, tp.size)

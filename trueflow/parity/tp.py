@@ -50,9 +50,7 @@ def run_tp_probe(spec: ProbeSpec, tp: int, train_tp_match: int | None = None, pa
     if train_tp_match is not None and train_tp_match != tp:
         raise ValueError(f"--train-tp-match {train_tp_match} must equal --tp {tp}: the train side computes each "
                          f"sharded layer as the engine's ranks do")
-    plan = tp_plan(family, tp)
-    if plan is not None:
-        plan.check(config, tp)
+    tp_plan(family, tp).check(config, tp)
     threads = threads or max(1, torch.get_num_threads() // tp)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank, args=(tp, free_port(), spec, patch_group, tuple(disabled), train_tp_match, threads, queue),
