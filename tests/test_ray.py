@@ -10,7 +10,10 @@ import subprocess
 import time
 
 import pytest
-import ray
+
+# Ray reads this once, on import: without it, Ray on Linux replaces 127.0.0.1 by the routable address.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import ray  # noqa: E402
 
 from trueflow.cli import main
 from trueflow.train.checkpoint import load_latest
@@ -20,7 +23,6 @@ from conftest import TRUEFLOW_EXE
 from test_train import FAST, assert_bitwise_run, assert_same_metrics, cli_flags, comparable, torchrun
 
 ROLLOUTS = 4  # one more than test_train's runs: the kill below lands while the run still has rollouts to go
-LOOPBACK = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def ray_train(out, checkpoint, *flags: str, wait: bool = True):
@@ -45,13 +47,14 @@ def ray_run(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture
 def cluster(tmp_path_factory, monkeypatch):
     """A local cluster the test can watch (2 CPUs, 127.0.0.1); runs join it with --ray-address."""
-    for k, v in LOOPBACK.items():
-        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     temp = tmp_path_factory.mktemp("r")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=str(temp),
              object_store_memory=100 << 20)
     try:
-        yield ray.get_runtime_context().gcs_address
+        address = ray.get_runtime_context().gcs_address
+        assert address.startswith("127.0.0.1:"), address
+        yield address
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
@@ -70,40 +73,63 @@ def test_ray_matches_torchrun_bit_for_bit(ray_run, tiny_checkpoint, tmp_path):
     assert not (out / "ray").exists()
 
 
-def test_killed_engine_actor_is_named_and_the_run_resumes_bit_for_bit(ray_run, cluster, tiny_checkpoint, tmp_path):
-    """While the run goes, the cluster holds its 2 trainer and 2 engine actors; `ray.kill` of engine-1 after the
-    first checkpoint stops the run with one line naming engine-1, the checkpoint stays complete, and --resume
-    finishes the run with the uninterrupted run's metrics, bit for bit."""
-    _, reference = ray_run
-    out = tmp_path / "run"
-    proc = ray_train(out, tiny_checkpoint, "--world-size", "2", "--ray-address", cluster, "--save-every", "1",
-                     wait=False)
+def kill_when(proc, ready, victim: str) -> tuple[set[str], str]:
+    """Watch the cluster's named actors until `ready(seen)`, then `ray.kill` the actor `victim` of the run; (the names
+    of the run's actors seen, the run's stderr)."""
     seen, deadline = set(), time.monotonic() + 240
     try:
-        while not (out / "checkpoints" / "step-000001" / "COMPLETE").is_file():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        while True:
             seen |= {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+            if ready(seen):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.01)
-        namespace = next(ns for ns, name in seen if name == "engine-1")
-        ray.kill(ray.get_actor("engine-1", namespace=namespace))
+        namespace = next(ns for ns, name in seen if name == victim)
+        ray.kill(ray.get_actor(victim, namespace=namespace))
         _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert sorted(name for ns, name in seen if ns == namespace) == ["engine-0", "engine-1", "trainer-0", "trainer-1"]
-    assert proc.returncode == 1, stderr[-3000:]
-    error = stderr.strip().splitlines()[-1]
-    assert error.startswith("trueflow train: error: the Ray engine actor engine-1 died"), error
-    assert "--resume continues it" in error
     while ray.util.list_named_actors(all_namespaces=True) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.util.list_named_actors(all_namespaces=True) == [], "the driver ended every actor of the run"
+    return {name for ns, name in seen if ns == namespace}, stderr
+
+
+def assert_named_error(proc, stderr: str, actor: str) -> None:
+    assert proc.returncode == 1, stderr[-3000:]
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith(f"trueflow train: error: the Ray {actor} died"), error
+    assert "--resume continues it" in error
+
+
+def test_killed_engine_actor_is_named_and_the_run_resumes_bit_for_bit(ray_run, cluster, tiny_checkpoint, tmp_path):
+    """While the run goes, the cluster holds its 2 trainer, 2 engine and 2 reward actors; `ray.kill` of engine-1
+    after the first checkpoint stops the run with one line naming engine-1, the checkpoint stays complete, and
+    --resume finishes the run with the uninterrupted run's metrics, bit for bit (whose rewards were computed in
+    the trainer ranks: the reward's placement changes no bit)."""
+    _, reference = ray_run
+    out = tmp_path / "run"
+    flags = ("--world-size", "2", "--ray-address", cluster, "--save-every", "1", "--reward-placement", "actor")
+    proc = ray_train(out, tiny_checkpoint, *flags, wait=False)
+    seen, stderr = kill_when(proc, lambda _: (out / "checkpoints" / "step-000001" / "COMPLETE").is_file(), "engine-1")
+    assert sorted(seen) == ["engine-0", "engine-1", "reward-0", "reward-1", "trainer-0", "trainer-1"]
+    assert_named_error(proc, stderr, "engine actor engine-1")
     path, _, _, state = load_latest(out)
     assert state["step"] >= 1
-    resumed = ray_train(out, tiny_checkpoint, "--world-size", "2", "--ray-address", cluster, "--save-every", "1",
-                        "--resume")
+    resumed = ray_train(out, tiny_checkpoint, *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert comparable(rows) == comparable(reference)
+
+
+def test_killed_reward_actor_is_named(cluster, tiny_checkpoint, tmp_path):
+    """A reward actor killed after the first optimizer step stops the run with one line naming it, whatever
+    --reward-on-error says (a dead actor is not a failing prompt)."""
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = ray_train(tmp_path / "run", tiny_checkpoint, "--world-size", "2", "--ray-address", cluster,
+                     "--reward-placement", "actor", "--reward-on-error", "skip", wait=False)
+    _, stderr = kill_when(proc, lambda _: metrics.is_file() and metrics.stat().st_size > 0, "reward-1")
+    assert_named_error(proc, stderr, "reward actor reward-1")
 
 
 def test_disaggregated_one_engine_one_trainer(ray_run, cluster, tiny_checkpoint, tmp_path):
@@ -125,6 +151,8 @@ def test_disaggregated_one_engine_one_trainer(ray_run, cluster, tiny_checkpoint,
     (["--ray", "--rollout-gpus", "1"], "takes both --rollout-gpus R and --train-gpus T"),
     (["--ray", "--rollout-gpus", "2", "--train-gpus", "1"], "use at most T engines"),
     (["--ray", "--world-size", "3"], "multiple of the 3 trainer ranks"),
+    (["--reward-placement", "actor"], "--reward-placement actor: settings of a Ray run; add --ray"),
+    (["--ray", "--reward-placement", "engine"], "--reward-placement trainer"),
 ])
 def test_bad_ray_settings_are_one_line_with_the_fix(tmp_path, capsys, flags, fix):
     assert main(["train", "--output-dir", str(tmp_path / "run"), *flags]) == 2

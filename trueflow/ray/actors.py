@@ -43,6 +43,10 @@ def engine_name(index: int) -> str:
     return f"engine-{index}"
 
 
+def reward_name(rank: int) -> str:
+    return f"reward-{rank}"
+
+
 def engine_of_rank(rank: int, trainers: int, engines: int) -> int:
     """The engine a disaggregated trainer rank rolls out on: contiguous blocks of ranks per engine."""
     return rank * engines // trainers
@@ -129,6 +133,67 @@ class EngineActor:
 
 
 @ray.remote
+class RewardActor:
+    """A trainer rank's reward (`--reward-placement actor`), on a share of the rank's device: it scores a rollout's
+    images as `engine.interface.ScoredEngine` does in the trainer (video frames, on_error included)."""
+
+    def load(self, spec: str, model: str | None, device: str, url: str | None, on_error: str, frames: int,
+             cwd: str) -> None:
+        from ..rewards.base import build_reward
+
+        os.chdir(cwd)
+        self.reward, self.on_error, self.frames = build_reward(spec, model, device, url=url), on_error, frames
+
+    def score(self, images: torch.Tensor, request: RolloutRequest) -> tuple[torch.Tensor, list[int], float]:
+        """(rewards, dropped samples, seconds) of the request's images."""
+        from types import SimpleNamespace
+
+        from ..engine.interface import ScoredEngine
+
+        scored = ScoredEngine(_Made(SimpleNamespace(images=images, times={})), self.reward, self.on_error,
+                              self.frames).rollout(request)
+        return scored.rewards, scored.dropped, scored.times["reward"]
+
+
+class _Made:
+    """An engine whose rollout is already made: `ScoredEngine` scores it."""
+
+    def __init__(self, rollout):
+        self.made = rollout
+
+    def rollout(self, request: RolloutRequest):
+        return self.made
+
+
+class ActorScored:
+    """An engine whose rollouts a reward actor scores (the `ScoredEngine` of `--reward-placement actor`). A dead
+    reward actor raises `ActorDied` naming it, whatever `on_error` says; the reward's own failure arrives as the
+    `RewardError` it is."""
+
+    def __init__(self, engine: RolloutEngine, actor, name: str):
+        self.engine, self.actor, self.name = engine, actor, name
+
+    def rollout(self, request: RolloutRequest) -> Rollout:
+        rollout = self.engine.rollout(request)
+        rollout.rewards, rollout.dropped, rollout.times["reward"] = answer(
+            self.actor.score.remote(rollout.images, request), self.name, "reward")
+        return rollout
+
+    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+                       merge_mode: str | None = None) -> str:
+        return self.engine.update_weights(state, lora_scale, merge_mode)
+
+    def checksum(self) -> str:
+        return self.engine.checksum()
+
+    def health(self) -> dict:
+        return {**self.engine.health(), "reward": self.name}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+@ray.remote
 class TrainerActor:
     """One trainer rank: `run_training` with the environment torchrun would give it."""
 
@@ -148,13 +213,13 @@ class TrainerActor:
         return None if out is None else str(out)
 
 
-def answer(ref, name: str):
-    """`ray.get(ref)` of a call to the engine actor `name`: its death raises `ActorDied` naming it, an error
-    the engine raised is raised as itself."""
+def answer(ref, name: str, kind: str = "engine"):
+    """`ray.get(ref)` of a call to the actor `name` (an engine or reward actor): its death raises `ActorDied`
+    naming it, an error the actor raised is raised as itself."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
-        raise ActorDied(f"the Ray engine actor {name} died ({_first_line(e)})") from None
+        raise ActorDied(f"the Ray {kind} actor {name} died ({_first_line(e)})") from None
     except ray.exceptions.RayTaskError as e:
         raise e.cause if isinstance(e.cause, Exception) else e from None
 
@@ -223,9 +288,33 @@ class BroadcastEngine(RayEngine):
         return got
 
 
-def connect_engine(cfg: TrainConfig, where: dict, device: torch.device) -> RolloutEngine:
+def connect_engine(cfg: TrainConfig, where: dict, device: torch.device, scored: bool = False) -> RolloutEngine:
     """This trainer rank's engine actor, loaded with `where` (the `Engine` settings of `train.run._start_engine`);
-    on disaggregated rank 0, every engine, joined to the weight broadcast group."""
+    on disaggregated rank 0, every engine, joined to the weight broadcast group. `scored`: behind this rank's
+    reward actor, loaded with the run's reward."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    engine = _connect(cfg, where, device)
+    if not scored:
+        return engine
+    name = reward_name(rank)
+    actor = _find(name, "reward")
+    answer(actor.load.remote(cfg.reward, cfg.reward_model, device.type, cfg.reward_url, cfg.reward_on_error,
+                             cfg.reward_frames, os.getcwd()), name, "reward")
+    return ActorScored(engine, actor, name)
+
+
+def _find(name: str, kind: str):
+    """The live actor `name` of this job (the driver placed it)."""
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        raise ActorDied(f"the Ray {kind} actor {name} is not alive (it died, or the run did not start with "
+                        "`trueflow train --ray`)") from None
+
+
+def _connect(cfg: TrainConfig, where: dict, device: torch.device) -> RolloutEngine:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -234,11 +323,7 @@ def connect_engine(cfg: TrainConfig, where: dict, device: torch.device) -> Rollo
         raise ValueError(f"this Ray run places {trainers} trainer ranks, but the process group has {world}")
 
     def actor(index: int):
-        try:
-            return ray.get_actor(engine_name(index))
-        except ValueError:
-            raise ValueError(f"no Ray engine actor {engine_name(index)} in this job: a --ray run starts with "
-                             "`trueflow train --ray`") from None
+        return _find(engine_name(index), "engine")
 
     load = (where, device.type, torch.get_num_threads(), os.getcwd())
     if not engines:  # colocated

@@ -98,7 +98,7 @@ def _place_and_run(cfg: TrainConfig) -> Path:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .actors import EngineActor, TrainerActor, engine_name, trainer_name, _first_line
+    from .actors import EngineActor, RewardActor, TrainerActor, _first_line, engine_name, reward_name, trainer_name
 
     trainers, engines = cfg.ray_ranks()
     gpu = torch.device(cfg.device).type == "cuda"
@@ -109,17 +109,21 @@ def _place_and_run(cfg: TrainConfig) -> Path:
         raise ValueError(f"the Ray cluster has no room for {trainers + engines} bundles of {bundle} within "
                          f"{PLACEMENT_TIMEOUT_S:.0f} s: add nodes, or ask for fewer ranks (--world-size, "
                          "--train-gpus, --rollout-gpus)")
-    # Colocated, a rank and its engine share the rank's bundle (half of its CPU slot and GPU each).
-    share = 0.5 if not engines else 1.0
+    # A rank's bundle holds the rank, its engine when colocated and its reward actor if any, in equal shares of
+    # its CPU slot and GPU; a disaggregated engine has its bundle to itself.
+    rewarded = cfg.reward_placement == "actor"
+    share = 1 / (1 + (not engines) + rewarded)
     resources = {"num_cpus": share, "num_gpus": share if gpu else 0}
 
-    def on(bundle_index: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
+    def on(bundle_index: int, alone: bool = False) -> dict:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
+                **({"num_cpus": 1, "num_gpus": 1 if gpu else 0} if alone else resources)}
 
-    actors = [EngineActor.options(name=engine_name(i), scheduling_strategy=on(trainers + i if engines else i),
-                                  **resources).remote() for i in range(engines or trainers)]
-    ranks = [TrainerActor.options(name=trainer_name(r), scheduling_strategy=on(r), **resources).remote()
-             for r in range(trainers)]
+    actors = [EngineActor.options(name=engine_name(i), **on(trainers + i if engines else i, alone=bool(engines)))
+              .remote() for i in range(engines or trainers)]
+    if rewarded:
+        actors += [RewardActor.options(name=reward_name(r), **on(r)).remote() for r in range(trainers)]
+    ranks = [TrainerActor.options(name=trainer_name(r), **on(r)).remote() for r in range(trainers)]
     actors += ranks
     try:
         host, port = ray.get(ranks[0].address.remote())

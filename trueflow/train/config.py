@@ -160,9 +160,9 @@ class TrainConfig(BaseModel):
                      "reward", "name", min_length=1)
     reward_model: str | None = _f(None, "local model folder of the reward (e.g. PickScore)", "reward", "model",
                                   min_length=1)
-    reward_placement: Literal["trainer", "engine"] = _f(
-        "trainer", "where the reward runs: the trainer's rank 0, or the engine process (with engine_process)",
-        "reward", "placement")
+    reward_placement: Literal["trainer", "engine", "actor"] = _f(
+        "trainer", "where the reward runs: each trainer rank's process, the engine process (with engine_process), "
+                   "or a Ray actor beside each trainer rank (with ray)", "reward", "placement")
     reward_url: str | None = _f(None, "URL given to the reward terms that take one (vlm_judge's chat server)",
                                 "reward", "url", min_length=1)
     reward_frames: int = _f(3, "video: the image reward scores this many evenly spread frames of each sample and "
@@ -262,11 +262,16 @@ class TrainConfig(BaseModel):
         named = [flag for flag, v in (("--world-size", self.world_size), ("--ray-address", self.ray_address),
                                       ("--rollout-gpus", self.rollout_gpus), ("--train-gpus", self.train_gpus))
                  if v is not None]
+        if self.reward_placement == "actor":
+            named.append("--reward-placement actor")
         if not self.ray:
             return [f"{', '.join(named)}: settings of a Ray run; add --ray"] if named else []
         errors = []
         if self.engine_process or self.engine_url:
             errors.append("--ray places each rank's engine as a Ray actor: drop --engine-process / --engine-url")
+        if self.reward_placement == "engine":
+            errors.append("--ray scores in each trainer rank (--reward-placement trainer) or in a reward actor "
+                          "beside it (--reward-placement actor)")
         if (self.rollout_gpus is None) != (self.train_gpus is None):
             errors.append("a disaggregated --ray run takes both --rollout-gpus R and --train-gpus T")
         elif self.train_gpus is not None:

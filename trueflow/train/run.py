@@ -129,6 +129,10 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) ->
         return EngineClient(**where, device=str(device), threads=torch.get_num_threads(),
                             reward=(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
                                     cfg.reward_frames))
+    if cfg.ray and cfg.reward_placement == "actor":  # scored by this rank's reward actor
+        from ..ray.actors import connect_engine
+
+        return connect_engine(cfg, where, device, scored=True)
     reward = build_reward(cfg.reward, cfg.reward_model, str(device), url=cfg.reward_url)  # a bad spec fails fast
     if cfg.ray:
         from ..ray.actors import connect_engine
