@@ -66,11 +66,20 @@ def test_tp2_with_the_matched_train_side_is_bitwise(tiny_checkpoint, capsys):
     assert len(set(got["rank_lora_checksums"])) == TP  # each rank confirmed its own (different) slice
 
 
-def test_the_matched_train_side_computes_diffusers_function():
-    """fp32: the matched model (N GEMMs per sharded layer) is diffusers' stock function up to summation order; a
-    wrong slice or a dropped share would be off by the size of a whole term. bf16: it differs from stock in bits
-    (else the matched test above would prove nothing)."""
+def test_the_matched_train_side_computes_diffusers_function(monkeypatch):
+    """fp32: the matched model (N GEMMs per sharded layer, attention per head group) is diffusers' stock function up
+    to summation order; a wrong slice or a dropped share would be off by the size of a whole term. bf16: it differs
+    from stock in bits (else the matched test above would prove nothing)."""
     from trueflow.train import model as train_model
+
+    heads_seen = []  # the head count of every attention kernel call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        heads_seen.append((args[0] if args else kwargs["query"]).shape[1])  # q [B, H, S, D]
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
 
     config = FAMILY.presets.transformer_config("tiny")
     for dtype in (torch.float32, torch.bfloat16):
@@ -82,8 +91,13 @@ def test_the_matched_train_side_computes_diffusers_function():
         backend = FAMILY.train.backend(dtype)
         with torch.no_grad():
             t = FAMILY.train.timestep(i["timestep"], dtype)
-            outs = [train_model.train_forward(FAMILY, m, i["hidden_states"], t, i["grid"], i["cond"], backend=backend)
-                    for m in (stock, matched)]
+            outs = []
+            for m in (stock, matched):
+                heads_seen.clear()
+                outs.append(train_model.train_forward(FAMILY, m, i["hidden_states"], t, i["grid"], i["cond"],
+                                                      backend=backend))
+            # The matched side attends over the engine's head groups: N calls per block, H/N heads each.
+            assert heads_seen == [config["num_attention_heads"] // TP] * (TP * config["num_layers"]), heads_seen
         if dtype == torch.float32:
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
         else:
@@ -103,6 +117,9 @@ def test_a_shard_that_does_not_divide_is_refused(tiny_checkpoint, capsys):
     model = FAMILY.presets.build_transformer(FAMILY.presets.transformer_config("tiny"), seed=0)
     with pytest.raises(ValueError, match="--tp 3 does not divide"):
         match_tp(model, PLAN, 3)
+    match_tp(model, PLAN, 2)
+    with pytest.raises(ValueError, match="already TP-matched"):
+        match_tp(model, PLAN, 2)
 
 
 # -- shards, LoRA shares and checksums in 2 processes ---------------------------------------------------------

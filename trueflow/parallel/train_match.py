@@ -3,13 +3,17 @@ N ranks do (same GEMM shapes, dtype, contiguity and bias placement), then concat
 in rank order (row-parallel, `comm.rank_order_sum`, the engine's order). Applied to a built diffusers model by
 replacing the forward of its `nn.Linear` / PEFT LoRA layers; everything else stays diffusers' code.
 
-Attention runs as diffusers calls it, over all heads at once: each head's output depends on that head's q/k/v only
-in SDPA's kernels (checked bit for bit on the CPU's flash and math kernels), so it is what the engine's ranks
-compute over their head groups. A GPU run must confirm it for its kernel (docs/tensor-parallel.md).
+Attention runs over the engine's head groups: the processor of each attention module whose q projection is
+column-parallel calls diffusers' attention dispatch once per group of H/N heads (contiguous, as a rank hands its
+own q/k/v to the kernel), and concatenates the outputs along the heads. On the CPU's flash and math kernels a
+head's output does not depend on the other heads anyway (checked bit for bit); a GPU kernel chosen by shape
+(cuDNN's) might.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 
 import torch
@@ -62,9 +66,41 @@ def _row_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rank_order_sum(parts)
 
 
+def _head_groups(processor, tp: int):
+    """`processor` (diffusers' attention processor of a module whose heads are split) calling its attention once per
+    head group. The processor finds `dispatch_attention_fn` in its module's globals at call time, so the grouped
+    function stands in there for the duration of the call (the forward is single-threaded; a recompute under
+    gradient checkpointing calls the processor again)."""
+    module = module_of(processor)
+
+    base = type(processor)
+
+    class HeadGroups(base):
+        @functools.wraps(base.__call__)  # diffusers passes only the keywords the processor's signature names
+        def __call__(self, *args, **kwargs):
+            dispatch = module.dispatch_attention_fn
+
+            def grouped(query, key, value, *a, **kw):  # [B, S, H, D]: heads on dim 2, as the processor passes them
+                groups = zip(*(t.chunk(tp, dim=2) for t in (query, key, value)))
+                return torch.cat([dispatch(q.contiguous(), k.contiguous(), v.contiguous(), *a, **kw)
+                                  for q, k, v in groups], dim=2)
+
+            module.dispatch_attention_fn = grouped
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                module.dispatch_attention_fn = dispatch
+
+    grouped_processor = HeadGroups.__new__(HeadGroups)
+    grouped_processor.__dict__.update(processor.__dict__)  # the backend diffusers set on it, and the rest
+    return grouped_processor
+
+
 def match_tp(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
     """Make a diffusers model compute each planned linear layer as `tp` engine ranks do. Returns the layers' names.
     Checked first (the plan's head count, every layer's shape), applied only if all divide."""
+    if getattr(model, "_trueflow_tp_match", None) is not None:
+        raise ValueError(f"this model is already TP-matched ({model._trueflow_tp_match} ranks)")
     plan.check(dict(model.config), tp)
     found, problems = [], []
     for name, mod in model.named_modules():
@@ -80,4 +116,15 @@ def match_tp(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
     for _, mod, kind in found:
         mod._tp_size = tp
         mod.forward = types.MethodType(_column_forward if kind == COLUMN else _row_forward, mod)
+    for name, mod in model.named_modules():  # attention modules whose q projection is split by heads
+        if hasattr(mod, "processor") and hasattr(mod, "to_q") and plan.kind(f"{name}.to_q") == COLUMN:
+            if not hasattr(module_of(mod.processor), "dispatch_attention_fn"):
+                raise ValueError(f"{name}: its attention processor {type(mod.processor).__name__} does not call "
+                                 "diffusers' dispatch_attention_fn: its heads cannot be grouped as the engine's ranks")
+            mod.set_processor(_head_groups(mod.processor, tp))
+    model._trueflow_tp_match = tp
     return [name for name, _, _ in found]
+
+
+def module_of(processor) -> types.ModuleType:
+    return sys.modules[type(processor).__module__]
