@@ -73,15 +73,6 @@ PEERS = (  # published figures (other settings, real weights): context, not a li
     {"name": "verl-omni Qwen-Image FlowGRPO, LoRA", "hardware": "4x H800", "images_per_gpu_s": 0.305},
     {"name": "verl-omni Qwen-Image FlowGRPO, full-parameter, no CFG", "hardware": "4x H200", "images_per_gpu_s": 0.51},
 )
-VIT_H14 = {  # CLIP ViT-H/14 (PickScore_v1's architecture)
-    "text_config": {"vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                    "num_attention_heads": 16, "max_position_embeddings": 77, "hidden_act": "gelu"},
-    "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
-                      "num_attention_heads": 16, "image_size": 224, "patch_size": 14, "hidden_act": "gelu"},
-    "projection_dim": 1024,
-}
-
-
 class UsageError(Exception):
     """A bad argument: reported as one line, exit 2."""
 
@@ -104,24 +95,9 @@ def write_reward_model(path: Path, size: str, device: str) -> Path:
     ViT-H/14's size with the same processor at 224 px (fp32, as PickScore runs)."""
     if (path / "config.json").is_file():
         return path
-    from trueflow.rewards.tiny_clip import init_tiny_clip
+    from trueflow.rewards.tiny_clip import init_clip_h, init_tiny_clip
 
-    if size != "full":
-        return init_tiny_clip(path)
-    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
-
-    init_tiny_clip(path, image_size=VIT_H14["vision_config"]["image_size"])  # the processor; the model is replaced
-    tokenizer = CLIPTokenizer.from_pretrained(path)
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.eos_token_id}
-    config = CLIPConfig(text_config={**VIT_H14["text_config"], **ids}, vision_config=VIT_H14["vision_config"],
-                        projection_dim=VIT_H14["projection_dim"])
-    rng_devices = [torch.cuda.current_device()] if device == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), torch.device(device):  # drawn on the GPU: 1 B parameters
-        torch.manual_seed(0)
-        model = CLIPModel(config).eval()
-    model.save_pretrained(path)
-    return path
+    return init_tiny_clip(path) if size != "full" else init_clip_h(path, device)
 
 
 def rollout_prompts(index: int, per_step: int) -> list[str]:

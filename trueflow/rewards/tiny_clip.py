@@ -48,6 +48,36 @@ def init_tiny_clip(out: str | Path, seed: int = 0, image_size: int = 32) -> Path
     return out
 
 
+# CLIP ViT-H/14: PickScore_v1's architecture.
+VIT_H14 = {
+    "text_config": {"vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                    "num_attention_heads": 16, "max_position_embeddings": 77, "hidden_act": "gelu"},
+    "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                      "num_attention_heads": 16, "image_size": 224, "patch_size": 14, "hidden_act": "gelu"},
+    "projection_dim": 1024,
+}
+
+
+def init_clip_h(out: str | Path, device: str = "cpu", seed: int = 0) -> Path:
+    """A PickScore-layout folder with a random CLIP of ViT-H/14's size (about 1B parameters, fp32, as PickScore
+    runs) and the tiny folder's processor at 224 px: PickScore's cost without its weights. Drawn on `device`."""
+    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
+
+    out = Path(out)
+    init_tiny_clip(out, image_size=VIT_H14["vision_config"]["image_size"])  # the processor; the model is replaced
+    tokenizer = CLIPTokenizer.from_pretrained(out)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.eos_token_id}
+    config = CLIPConfig(text_config={**VIT_H14["text_config"], **ids}, vision_config=VIT_H14["vision_config"],
+                        projection_dim=VIT_H14["projection_dim"])
+    rng_devices = [torch.cuda.current_device()] if str(device).startswith("cuda") else []
+    with torch.random.fork_rng(devices=rng_devices), torch.device(device):
+        torch.manual_seed(seed)
+        model = CLIPModel(config).eval()
+    model.save_pretrained(out)
+    return out
+
+
 def init_tiny_aesthetic(out: str | Path, seed: int = 0, image_size: int = 32) -> Path:
     """A tiny CLIP folder (as `init_tiny_clip`) holding a random LAION aesthetic head as the released file
     `sac+logos+ava1-l14-linearMSE.pth` lays it out: the state dict of its `layers` Sequential, input = CLIP's
