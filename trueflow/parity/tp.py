@@ -22,6 +22,7 @@ from ..parallel.comm import free_port, init_tp
 from ..parallel.engine import (build_tp_engine_transformer, lora_shard_checksums, scatter_shards, tp_gate, tp_plan,
                                update_lora_tp)
 from ..parallel.train_match import match_tp
+from ..patches import apply_patch_group
 from .probe import ParityProbe, ProbeResult, ProbeSpec
 
 
@@ -51,11 +52,14 @@ def run_tp_probe(spec: ProbeSpec, tp: int, train_tp_match: int | None = None, pa
         raise ValueError(f"--train-tp-match {train_tp_match} must equal --tp {tp}: the train side computes each "
                          f"sharded layer as the engine's ranks do")
     tp_plan(family, tp).check(config, tp)
+    apply_patch_group(family.engine.build_model(config, device="meta"), patch_group, disabled)  # names checked
     threads = threads or max(1, torch.get_num_threads() // tp)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank, args=(tp, free_port(), spec, patch_group, tuple(disabled), train_tp_match, threads, queue),
              nprocs=tp, join=True)
     result = queue.get()
+    if isinstance(result, str):  # a rank refused its input: one line, as in a single process
+        raise ValueError(result)
     tp_gate(tp, patch_group, result.model_output_max_abs_diff, matched=train_tp_match is not None)
     return result
 
@@ -71,24 +75,30 @@ def _rank(rank: int, tp: int, port: int, spec: ProbeSpec, patch_group: str, disa
     group = init_tp(rank, tp, port, device)
     try:
         _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, device, queue)
+    except ValueError as e:  # bad input: raised alike on every rank (rank 0's preparation is broadcast)
+        if rank == 0:
+            queue.put(str(e))
     finally:
         dist.destroy_process_group()
 
 
 def _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, device, queue) -> None:
-    probe = None
+    probe, payload = None, [None] * 5
     if rank == 0:
-        probe = ParityProbe(spec)
-        if train_tp_match is not None:
-            match_tp(probe.train, probe.family.engine.tp_plan, train_tp_match)
-            probe.set_inputs(probe.inputs)  # the train forward again, matched
-        # Small objects travel pickled, on the CPU; the weights as each rank's slice (`scatter_shards`).
-        payload = [probe.family.name, probe.config, None if probe.lora is None else (_cpu(probe.lora[0]),
-                   probe.lora[1]), _cpu(probe.inputs)]
-    else:
-        payload = [None] * 4
+        try:
+            probe = ParityProbe(spec)
+            if train_tp_match is not None:
+                match_tp(probe.train, probe.family.engine.tp_plan, train_tp_match)
+                probe.set_inputs(probe.inputs)  # the train forward again, matched
+            # Small objects travel pickled, on the CPU; the weights as each rank's slice (`scatter_shards`).
+            payload = [None, probe.family.name, probe.config, None if probe.lora is None else (
+                _cpu(probe.lora[0]), probe.lora[1]), _cpu(probe.inputs)]
+        except ValueError as e:  # the other ranks wait for the payload: they get the refusal instead
+            payload[0] = str(e)
     dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
-    family_name, config, lora, inputs = payload
+    refused, family_name, config, lora, inputs = payload
+    if refused is not None:
+        raise ValueError(refused)
     family = get_family(family_name)
     shards = scatter_shards(family.engine.tp_plan, probe.state_dict if probe else None, group, device)
     engine = build_tp_engine_transformer(config, shards, group, device, spec.torch_dtype(), patch_group,
