@@ -2,9 +2,10 @@
 `Linear` layers are swapped for sharded ones), weights and LoRA loaded sharded from the same diffusers names, and
 each rank's LoRA update confirmed by checksum.
 
-The attention needs no change: the engine's attention unflattens q/k/v by head dimension, so a rank whose q/k/v
+The attention needs no change where it unflattens q/k/v by head dimension (Qwen-Image's): a rank whose q/k/v
 projections hold whole heads attends over its own heads, and its output is exactly the input columns its
-row-parallel `to_out` holds.
+row-parallel `to_out` holds. (An attention that unflattens by head count, or normalises across heads, as LTX-2.3's
+does, must change before its family can declare a plan.)
 """
 
 from __future__ import annotations
