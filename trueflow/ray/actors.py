@@ -12,6 +12,9 @@ placement group, found by name:
   update in buckets over a process group of its own with the R engines (gloo on CPU, NCCL on GPU; not the
   trainers' group); every engine answers with its checksum. The other ranks confirm that their engine holds the
   LoRA they hold (by its checksum) before they roll out again.
+
+With `--reward-placement actor` a `RewardActor` beside each rank scores its rollouts (`ActorScored`). A dead
+actor, found dead or dying during a call, raises `ActorDied` naming it.
 """
 
 from __future__ import annotations
@@ -56,8 +59,14 @@ class ActorDied(RuntimeError):
     """An actor of the run died; the message names it."""
 
 
-def _first_line(e: BaseException) -> str:
-    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
+def death_reason(e: BaseException) -> str:
+    """Where and why an actor died, from Ray's error: "pid 123 on 127.0.0.1: it was killed by `ray.kill`"."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    fields = dict(line.split(": ", 1) for line in lines if line.startswith(("pid: ", "ip: ")))
+    why = next((line.removeprefix("The actor is dead because ").rstrip(".") for line in lines
+                if line.startswith("The actor is dead because ")), lines[0] if lines else type(e).__name__)
+    where = f"pid {fields['pid']} on {fields['ip']}: " if fields.keys() == {"pid", "ip"} else ""
+    return (where + why)[:300]
 
 
 def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_host: str):
@@ -69,7 +78,7 @@ def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_
                           timeout=timedelta(minutes=5))
     prefixed = dist.PrefixStore("trueflow-weights/", store)
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefixed, rank, size)
+        return dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=own_host)]
     options._timeout = timedelta(minutes=30)
@@ -219,7 +228,7 @@ def answer(ref, name: str, kind: str = "engine"):
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
-        raise ActorDied(f"the Ray {kind} actor {name} died ({_first_line(e)})") from None
+        raise ActorDied(f"the Ray {kind} actor {name} died ({death_reason(e)})") from None
     except ray.exceptions.RayTaskError as e:
         raise e.cause if isinstance(e.cause, Exception) else e from None
 

@@ -98,7 +98,7 @@ def _place_and_run(cfg: TrainConfig) -> Path:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .actors import EngineActor, RewardActor, TrainerActor, _first_line, engine_name, reward_name, trainer_name
+    from .actors import EngineActor, RewardActor, TrainerActor, death_reason, engine_name, reward_name, trainer_name
 
     trainers, engines = cfg.ray_ranks()
     gpu = torch.device(cfg.device).type == "cuda"
@@ -140,7 +140,7 @@ def _place_and_run(cfg: TrainConfig) -> Path:
             try:
                 value = ray.get(done[0])
             except ray.exceptions.RayActorError as e:
-                raise RayRunError(_stopped(f"the Ray trainer actor {runs[done[0]]} died ({_first_line(e)})",
+                raise RayRunError(_stopped(f"the Ray trainer actor {runs[done[0]]} died ({death_reason(e)})",
                                            Path(cfg.output_dir).resolve())) from None
             result = result or value
         return Path(result)
