@@ -165,3 +165,13 @@ def test_the_sum_over_three_ranks_is_in_rank_order():
     for r in range(tp):
         assert torch.equal(outs[r], want), f"rank {r} differs from the rank-ordered sum by " \
                                            f"{(outs[r].float() - want.float()).abs().max().item()}"
+
+
+def test_the_latency_bench_runs_both_groups(capsys):
+    """The 2xH200 latency tool (`python -m trueflow.parallel.bench`), as a CPU smoke run: times are meaningless here."""
+    from trueflow.parallel import bench
+
+    report = bench.main(["--tp", "2", "--lora-rank", "4", "--text-len", "7", "--warmup", "0", "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
+    for group in ("none", "qwen_image"):
+        assert report[group]["tp1_ms"] > 0 and report[group]["tp2_ms"] > 0 and report[group]["speedup"] > 0
