@@ -7,6 +7,7 @@ rank-ordered sums counted per forward)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 
@@ -120,6 +121,9 @@ def test_a_shard_that_does_not_divide_is_refused(tiny_checkpoint, capsys):
     model = FAMILY.presets.build_transformer(FAMILY.presets.transformer_config("tiny"), seed=0)
     with pytest.raises(ValueError, match="--tp 3 does not divide"):
         match_tp(model, PLAN, 3)
+    typo = dataclasses.replace(PLAN, row=PLAN.row + (r"transformer_blocks\.\d+\.attn\.to_outt",))
+    with pytest.raises(ValueError, match="to_outt.*names no linear layer"):
+        match_tp(model, typo, 2)
     match_tp(model, PLAN, 2)
     with pytest.raises(ValueError, match="already TP-matched"):
         match_tp(model, PLAN, 2)

@@ -33,7 +33,8 @@ def init_tp(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
     """Join the default process group on loopback: gloo on the CPU, NCCL on CUDA."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, for gloo's and NCCL's bootstrap sockets
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)

@@ -40,11 +40,13 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
     every layer divides. Returns the swapped engine module names."""
     plan = tp_plan(family, tp.size)
     name_of = family.engine.diffusers_module_name
-    swaps, problems = [], []
+    swaps, problems, seen = [], [], []
     for name, mod in model.named_modules():
         if not isinstance(mod, Linear):
             continue
-        kinds = {plan.kind(name_of(name, i if mod.packed else None)) for i in range(len(mod.splits))}
+        names = [name_of(name, i if mod.packed else None) for i in range(len(mod.splits))]
+        seen += names
+        kinds = {plan.kind(n) for n in names}
         if kinds == {None}:
             continue
         if len(kinds) > 1:
@@ -54,6 +56,7 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
         if problem := features_problem(name, kind, mod.in_features, mod.splits, tp.size):
             problems.append(problem)
         swaps.append((name, mod, kind))
+    problems += [f"the {family.name} TP plan's pattern {p!r} names no linear layer" for p in plan.unmatched(seen)]
     if problems:
         raise ValueError("; ".join(problems))
     for name, mod, kind in swaps:

@@ -30,6 +30,10 @@ class TPPlan:
             return ROW
         return None
 
+    def unmatched(self, modules: list[str]) -> list[str]:
+        """The plan's patterns that name none of `modules` (a typo in a plan would leave a layer whole)."""
+        return [p for p in self.column + self.row if not any(re.fullmatch(p, m) for m in modules)]
+
     def check(self, config: dict, tp: int) -> None:
         """Refuse a degree that does not split the heads whole (one line naming the degrees that do)."""
         if not isinstance(tp, int) or tp < 1:

@@ -97,33 +97,33 @@ def _head_groups(processor, tp: int):
 
 
 def match_tp(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
-    """Make a diffusers model compute each planned linear layer as `tp` engine ranks do. Returns the layers' names.
-    Checked first (the plan's head count, every layer's shape), applied only if all divide."""
+    """Make a diffusers model compute each planned linear layer, and attend over head groups, as `tp` engine ranks
+    do. Returns the layers' names. Checked first (the plan's head count, its patterns, every layer's shape, every
+    split attention's processor), applied only if all hold."""
     if getattr(model, "_trueflow_tp_match", None) is not None:
         raise ValueError(f"this model is already TP-matched ({model._trueflow_tp_match} ranks)")
     plan.check(dict(model.config), tp)
-    found, problems = [], []
-    for name, mod in model.named_modules():
-        kind = plan.kind(name)
-        if kind is None or not isinstance(_parts(mod)[0], nn.Linear):
-            continue
-        base = _parts(mod)[0]
-        if problem := features_problem(name, kind, base.in_features, (base.out_features,), tp):
-            problems.append(problem)
-        found.append((name, mod, kind))
+    modules = dict(model.named_modules())
+    linears = {name: _parts(mod)[0] for name, mod in modules.items() if isinstance(_parts(mod)[0], nn.Linear)}
+    found = [(name, plan.kind(name)) for name in linears if plan.kind(name) is not None]
+    problems = [p for name, kind in found
+                if (p := features_problem(name, kind, linears[name].in_features, (linears[name].out_features,), tp))]
+    problems += [f"the TP plan's pattern {p!r} names no linear layer of this model"
+                 for p in plan.unmatched(list(linears))]
+    attentions = [mod for name, mod in modules.items()  # attention modules whose q projection is split by heads
+                  if hasattr(mod, "processor") and hasattr(mod, "to_q") and plan.kind(f"{name}.to_q") == COLUMN]
+    problems += [f"attention processor {type(mod.processor).__name__} does not call diffusers' dispatch_attention_fn: "
+                 "its heads cannot be grouped as the engine's ranks" for mod in attentions
+                 if not hasattr(module_of(mod.processor), "dispatch_attention_fn")]
     if problems:
         raise ValueError("; ".join(problems))
-    for _, mod, kind in found:
-        mod._tp_size = tp
-        mod.forward = types.MethodType(_column_forward if kind == COLUMN else _row_forward, mod)
-    for name, mod in model.named_modules():  # attention modules whose q projection is split by heads
-        if hasattr(mod, "processor") and hasattr(mod, "to_q") and plan.kind(f"{name}.to_q") == COLUMN:
-            if not hasattr(module_of(mod.processor), "dispatch_attention_fn"):
-                raise ValueError(f"{name}: its attention processor {type(mod.processor).__name__} does not call "
-                                 "diffusers' dispatch_attention_fn: its heads cannot be grouped as the engine's ranks")
-            mod.set_processor(_head_groups(mod.processor, tp))
+    for name, kind in found:
+        modules[name]._tp_size = tp
+        modules[name].forward = types.MethodType(_column_forward if kind == COLUMN else _row_forward, modules[name])
+    for mod in attentions:
+        mod.set_processor(_head_groups(mod.processor, tp))
     model._trueflow_tp_match = tp
-    return [name for name, _, _ in found]
+    return [name for name, _ in found]
 
 
 def module_of(processor) -> types.ModuleType:
