@@ -47,6 +47,8 @@ def main() -> int:
         # The full size is drawn on the device in bf16 (40 GB); the tiny one on the CPU in fp32.
         init_checkpoint(ckpt, size=a.size, overwrite=True, dtype=torch.bfloat16 if a.size == "full" else torch.float32,
                         device=a.device if a.size == "full" else "cpu")
+        if torch.cuda.is_available():  # hand the drawn model's cached memory back: the run's processes need it
+            torch.cuda.empty_cache()
     print(f"checkpoint ready in {time.time() - t0:.0f} s")
     flags = ["--config", "recipes/bitwise-aligned.yaml", "--checkpoint", str(ckpt), "--output-dir", str(out / "run"),
              "--device", a.device, "--reward", a.reward, "--debug"]
