@@ -20,6 +20,7 @@ from . import RayRunError
 from ..train.config import TrainConfig
 
 PLACEMENT_TIMEOUT_S = 120.0
+WATCH_S = 10.0  # how often the driver checks that every engine and reward actor is alive
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)  # bad input: the CLI's one line and exit 2
 
 
@@ -135,8 +136,16 @@ def _place_and_run(cfg: TrainConfig) -> Path:
         runs = {ranks[r].run.remote(cfg, {**env, "RANK": str(r), "LOCAL_RANK": "0" if gpu else str(r)}, threads,
                                     os.getcwd()): trainer_name(r) for r in range(trainers)}
         result, pending = None, list(runs)
+        helpers = {engine_name(i) for i in range(engines or trainers)}
+        helpers |= {reward_name(r) for r in range(trainers)} if rewarded else set()
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=WATCH_S)
+            if not done:  # a helper actor that died while no rank was calling it (a rank may wait on it)
+                gone = sorted(helpers - set(ray.util.list_named_actors()))  # this namespace: names
+                if gone:
+                    raise RayRunError(_stopped(f"the Ray {gone[0].split('-')[0]} actor {gone[0]} died",
+                                               Path(cfg.output_dir).resolve()))
+                continue
             try:
                 value = ray.get(done[0])
             except ray.exceptions.RayActorError as e:
