@@ -27,7 +27,10 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)  # bad input: the
 def run_ray(cfg: TrainConfig) -> Path:
     """Run `cfg` (with `cfg.ray`) on Ray; returns the run folder. Raises what a rank raised for bad input (a
     reward's error included), `RayRunError` naming the actor for anything else."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'trueflow[ray]'") from None
 
     from ..rewards.base import RewardError
     from ..train.run import _check_before_loading, _ensure_checkpoint
