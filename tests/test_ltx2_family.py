@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import replay_snapshot_step
@@ -77,9 +78,10 @@ def test_generate_writes_videos_and_a_snapshot_diffusers_replays(ltx, tmp_path):
 
 
 def test_train_is_bitwise_at_every_step(ltx, tmp_path):
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(ltx), num_frames=9, resolution=64, steps=4,
-                      num_sde_steps=1, cfg_scale=1.0, num_rollouts=2, rollout_batch_size=2, n_samples_per_prompt=4,
-                      rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=1)
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(ltx), num_frames=9, fps=12.0, resolution=64,
+                      steps=4, num_sde_steps=1, cfg_scale=1.0, num_rollouts=2, rollout_batch_size=2,
+                      n_samples_per_prompt=4, rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=1,
+                      debug=True)
     run_training(cfg)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2
@@ -88,6 +90,9 @@ def test_train_is_bitwise_at_every_step(ltx, tmp_path):
         assert r["lora_update_norm"] > 0 and r["checksums_equal"]
     assert cfg.rollout_patch_group == "ltx" and cfg.fsdp_attention_backend == "native"  # the family's pairing
     assert read_frames(tmp_path / "run" / "samples" / "rollout-00000-p0.mp4").shape == (9, 64, 64, 3)
+    with safe_open(str(tmp_path / "run" / "snapshots" / "rollout-00000.safetensors"), "pt") as f:
+        meta = json.loads(f.metadata()["trueflow"])
+    assert [mg["static"] for mg in meta["microgroups"]] == [{"fps": 12.0}] * 2  # the run's rate, on both sides
 
 
 def test_the_train_backend_stays_on_the_train_model(tiny_checkpoint, ltx):

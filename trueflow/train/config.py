@@ -90,6 +90,8 @@ class TrainConfig(BaseModel):
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
                          ge=1)
+    fps: float = _f(24.0, "a video's frame rate, which a video family conditions on (images ignore it)", "rollout",
+                    gt=0, allow_inf_nan=False)
     rollout_patch_group: str | None = _f(None, "the engine's patch group (default: the model family's)", "rollout",
                                          "patch_group")
     disable_patch: list[str] = _f([], "switch one patch of the group off (repeatable)", "rollout")

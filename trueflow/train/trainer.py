@@ -149,6 +149,7 @@ class Trainer:
         return SamplingParams(steps=c.steps, sampler=c.sampler, noise_level=c.noise_level, cfg_scale=c.cfg_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
                               sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
+                              fps=c.fps,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 
     def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
