@@ -110,6 +110,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fps", type=float, default=24.0, help="a video's frame rate: what a video family conditions on "
                    "and the MP4s play at (default: 24)")
     add_engine_options(p, default_patch_group="none")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each "
+                   "(docs/tensor-parallel.md; default: 1, in this process)")
     p.add_argument("--snapshot", metavar="FILE", help="also write a debug snapshot of every step (docs/snapshot.md)")
     p.add_argument("--out", required=True, help="output folder for the PNGs (or MP4s) and settings.json")
 
@@ -128,9 +130,19 @@ def _run_generate(a: argparse.Namespace) -> int:
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
                             num_frames=a.num_frames, fps=a.fps)
-    engine = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype))
-    rollout = engine.rollout(RolloutRequest([a.prompt], a.num_images, params, a.seed,
-                                            record_snapshot=a.snapshot is not None), progress=sys.stderr.isatty())
+    request = RolloutRequest([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None)
+    if a.tp != 1:
+        from .sync.engine_process import EngineClient
+
+        engine = EngineClient(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype),
+                              tp=a.tp)
+        try:
+            rollout = engine.rollout(request)
+        finally:
+            engine.shutdown()
+    else:
+        rollout = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device,
+                         torch_dtype(a.dtype)).rollout(request, progress=sys.stderr.isatty())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(rollout.images):

@@ -18,11 +18,13 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from ..collate import Cond
+from .. import loading
 from ..loading import CheckpointError
 from ..models import family_for_checkpoint
 from . import weights
@@ -31,6 +33,9 @@ from .model_runner import ModelRunner, RolloutCancelled
 from .sampling_params import SAMPLERS, SamplingParams, check_family_limits
 from .samplers import draw_sde_window
 from .trajectory import Rollout
+
+if TYPE_CHECKING:
+    from ..parallel.comm import TPGroup
 
 __all__ = ["SAMPLERS", "Engine", "RolloutCancelled", "RolloutRequest", "SamplingParams", "derive_seed"]
 
@@ -50,11 +55,13 @@ class Engine:
     """Loads a diffusers pipeline folder of any model family: the engine transformer (with a rollout patch group)
     in a model runner, the text encoder and tokenizer, the VAE and the scheduler config. On CUDA the
     transformer's forwards replay CUDA graphs (one per shape, bitwise equal to eager; `cuda_graphs=False` runs
-    eagerly). `family` names the family where the folder's model_index.json does not."""
+    eagerly). `family` names the family where the folder's model_index.json does not. `tp`: this process is one
+    rank of a tensor-parallel engine (`parallel.comm.TPGroup`): its transformer holds the rank's shard of the
+    family's plan, loaded from rank 0's copy; every rank runs the same calls (`sync.engine_process` drives them)."""
 
     def __init__(self, checkpoint: str | Path, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, cuda_graphs: bool = True,
-                 family: str | None = None):
+                 family: str | None = None, tp: TPGroup | None = None):
         root = Path(checkpoint)
         self.family = fam = family_for_checkpoint(root, family)
         for sub in fam.pipeline.folders:
@@ -64,7 +71,17 @@ class Engine:
                                       f"writes one)")
         self.checkpoint, self.device, self.dtype = str(root), torch.device(device), dtype
         self.patch_group, self.disabled_patches = patch_group, tuple(disabled_patches)
-        self.transformer = weights.load_engine_transformer(root, self.device, dtype, patch_group, disabled_patches,
+        if tp is None:
+            self.transformer = weights.load_engine_transformer(root, self.device, dtype, patch_group,
+                                                               disabled_patches, family=fam.name)
+        else:
+            from ..parallel.engine import build_tp_engine_transformer, scatter_shards, tp_plan
+
+            full = loading.read_transformer_state_dict(root) if tp.rank == 0 else None
+            shards = scatter_shards(tp_plan(fam, tp.size), full, tp, self.device)
+            del full
+            self.transformer = build_tp_engine_transformer(loading.read_transformer_config(root), shards, tp,
+                                                           self.device, dtype, patch_group, disabled_patches,
                                                            family=fam.name)
         self.runner = ModelRunner(self.transformer, fam, self.device, dtype, cuda_graphs)
         self.tokenizer, self.text_encoder = fam.pipeline.load_text(root, self.device, dtype)

@@ -40,9 +40,17 @@ class ModelRunner:
 
     # -- weights -------------------------------------------------------------------------------------------
     def update_lora(self, peft_state_dict: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> None:
-        weights.update_lora(self.transformer, peft_state_dict, scale, merge_mode)
+        if getattr(self.transformer, "tp", None) is not None:  # a tensor-parallel rank takes its slice
+            from ..parallel.engine import update_lora_tp
+
+            update_lora_tp(self.transformer, peft_state_dict, scale, merge_mode)
+        else:
+            weights.update_lora(self.transformer, peft_state_dict, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if getattr(self.transformer, "tp", None) is not None:
+            raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
+                             "with --tp 1, or start the engine from a checkpoint holding them")
         self.family.engine.load_weights(self.transformer, state_dict)
 
     def lora_checksum(self) -> str:

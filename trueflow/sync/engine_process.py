@@ -8,6 +8,7 @@ copied through a pipe. The engine copies the update into place, and answers with
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import traceback
 from typing import TYPE_CHECKING
@@ -15,7 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.multiprocessing as mp
 
+from .. import loading
+from ..models import family_for_checkpoint
 from ..rewards.base import RewardError
+from .checksum import tensors_checksum
 from .buckets import DEFAULT_BUCKET_BYTES, pack, unpack
 
 if TYPE_CHECKING:
@@ -46,14 +50,28 @@ def to_cpu(obj):
     return obj
 
 
-def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replies) -> None:
+def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replies,
+           tp: tuple[int, int, int] | None = None) -> None:
+    """One engine process; with `tp` = (rank, size, port) one rank of a tensor-parallel engine (a process group on
+    loopback; on CUDA the rank takes GPU `rank`)."""
     # On CPU the engine must use the trainer's intra-op thread count (parity condition 9, docs/patch-group.md).
     torch.set_num_threads(threads)
+    group = None
     try:
         from ..engine.engine import Engine
         from ..engine.interface import ScoredEngine
         from ..rewards.base import build_reward
 
+        if tp is not None:
+            from ..parallel.comm import init_tp
+
+            rank, size, port = tp
+            device = torch.device(args["device"])
+            if device.type == "cuda":
+                device = torch.device("cuda", rank)
+                torch.cuda.set_device(device)
+            group = init_tp(rank, size, port, device)
+            args = {**args, "device": device, "tp": group}
         engine = Engine(**args)
         if reward_args is not None:  # scored here: the images never leave this process unscored
             *spec, on_error, frames = reward_args
@@ -65,6 +83,16 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
     except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
         replies.put(("failed", traceback.format_exc()))
         return
+    try:
+        _requests(engine, requests, replies)
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _requests(engine, requests, replies) -> None:
     while True:
         op, payload = requests.get()
         try:
@@ -94,33 +122,56 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
 
 
 class EngineClient:
-    """The engine interface (`engine.interface.RolloutEngine`) served by an `Engine` in another process."""
+    """The engine interface (`engine.interface.RolloutEngine`) served by an `Engine` in another process, or with
+    `tp` > 1 by a tensor-parallel engine over `tp` processes (docs/tensor-parallel.md): every rank gets every request
+    (their forwards meet in the rank-ordered sums), rank 0 alone decodes, scores and answers with the rollout; a
+    LoRA update goes to all, each rank installs its slice and answers with the slice's checksum read back, and the
+    update stands only when every slice is the one the sender meant for that rank."""
 
     def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 reward: tuple[str, str | None, str, str | None, str, int] | None = None, family: str | None = None):
-        """`reward`: (spec, model path, device, url, on_error, frames) of a reward to build in the engine process, which
-        then scores every rollout (`ScoredEngine`); None keeps rewards out of it. `family`: as `Engine`'s (where
-        the checkpoint names none)."""
-        ctx = mp.get_context("spawn")
-        self.requests, self.replies = ctx.Queue(), ctx.Queue()
-        self.bucket_bytes = bucket_bytes
-        self.process = ctx.Process(target=_serve, daemon=True, args=(
-            dict(checkpoint=checkpoint, patch_group=patch_group, disabled_patches=tuple(disabled_patches),
-                 device=device, dtype=dtype, family=family),
-            threads or torch.get_num_threads(), reward, self.requests, self.replies))
-        self.process.start()
-        self._reply()
+                 reward: tuple[str, str | None, str, str | None, str, int] | None = None, family: str | None = None,
+                 tp: int = 1):
+        """`reward`: (spec, model path, device, url, on_error, frames) of a reward to build in the engine process
+        (rank 0's), which then scores every rollout (`ScoredEngine`); None keeps rewards out of it. `family`: as `Engine`'s (where
+        the checkpoint names none). `tp`: tensor-parallel ranks (the family must declare a plan)."""
+        if tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {tp}")
+        self.tp, self.dtype, self.bucket_bytes = tp, dtype, bucket_bytes
+        self.family = family_for_checkpoint(checkpoint, family)
+        if tp > 1:
+            from ..parallel.comm import free_port
+            from ..parallel.engine import tp_gate, tp_plan
 
-    def _reply(self):
+            tp_plan(self.family, tp).check(loading.read_transformer_config(checkpoint), tp)  # refused before spawning
+            tp_gate(tp, patch_group, None, matched=False)
+            port = free_port()
+        ctx = mp.get_context("spawn")
+        self.requests = [ctx.Queue() for _ in range(tp)]
+        self.replies = [ctx.Queue() for _ in range(tp)]
+        args = dict(checkpoint=checkpoint, patch_group=patch_group, disabled_patches=tuple(disabled_patches),
+                    device=device, dtype=dtype, family=family)
+        self.processes = [ctx.Process(target=_serve, daemon=True, args=(
+            args, threads or torch.get_num_threads(), reward if r == 0 else None, self.requests[r], self.replies[r],
+            (r, tp, port) if tp > 1 else None)) for r in range(tp)]
+        for p in self.processes:
+            p.start()
+        self._replies()
+        self.expected: list[str] | None = None  # each rank's LoRA slice checksum, after a confirmed update
+        self.confirmed: str | None = None  # the LoRA's checksum once every slice was confirmed
+
+    def _reply(self, r: int):
         while True:
             try:
-                status, value = self.replies.get(timeout=1.0)
+                status, value = self.replies[r].get(timeout=1.0)
                 break
             except queue.Empty:
-                if not self.process.is_alive():
-                    raise EngineProcessError(f"the engine process died (exit code {self.process.exitcode})")
+                # Any rank that died (its peers would wait in their next collective for ever)
+                for i, p in enumerate(self.processes):
+                    if not p.is_alive():
+                        what = "the engine process" if self.tp == 1 else f"engine rank {i} of {self.tp}"
+                        raise EngineProcessError(f"{what} died (exit code {p.exitcode})")
         if status == "refused":
             raise EngineRequestRefused(value)
         if status == "reward_failed":
@@ -129,12 +180,28 @@ class EngineClient:
             raise EngineProcessError(f"the engine process failed:\n{value}")
         return value
 
-    def _call(self, op: str, *payload):
-        self.requests.put((op, payload))
-        return self._reply()
+    def _replies(self) -> list:
+        """Every rank's answer, rank 0's first; the first failure raises once all have answered."""
+        values, error = [], None
+        for r in range(self.tp):
+            try:
+                values.append(self._reply(r))
+            except (EngineProcessError, RewardError) as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return values
+
+    def _call(self, op: str, *payload, others: tuple | None = None) -> list:
+        """Send `op` to every rank (the other ranks get `others` as the payload, if given) and collect the answers."""
+        for r, q in enumerate(self.requests):
+            q.put((op, payload if r == 0 or others is None else others))
+        return self._replies()
 
     def rollout(self, request: RolloutRequest) -> Rollout:
-        return self._call("rollout", request)
+        # The other ranks run the same forwards; only rank 0 decodes and records.
+        return self._call("rollout", request, others=(dataclasses.replace(request, decode=False,
+                                                                          record_snapshot=False),))[0]
 
     def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
                        merge_mode: str | None = None) -> str:
@@ -145,15 +212,31 @@ class EngineClient:
         for b in buckets:
             if b.buffer.device.type == "cpu":
                 b.buffer.share_memory_()
-        return self._call("update_weights", buckets, lora_scale, merge_mode)  # the buckets live until it answers
+        sums = self._call("update_weights", buckets, lora_scale, merge_mode)  # the buckets live until all answer
+        if self.tp == 1:
+            return sums[0]
+        from ..parallel.engine import lora_shard_checksums
+
+        self.expected = lora_shard_checksums(self.family, state, self.tp, self.dtype)
+        self.confirmed = tensors_checksum({k: v.to(self.dtype) for k, v in state.items()})
+        return self._confirm(sums)
+
+    def _confirm(self, sums: list[str]) -> str:
+        """The LoRA's checksum when every rank holds the slice meant for it; else a line naming the ranks."""
+        bad = [r for r in range(self.tp) if sums[r] != self.expected[r]]
+        return self.confirmed if not bad else f"tp ranks {bad} hold another LoRA slice"
 
     def checksum(self) -> str:
-        return self._call("checksum")
+        sums = self._call("checksum")
+        return sums[0] if self.tp == 1 or self.expected is None else self._confirm(sums)
 
     def health(self) -> dict:
-        return {**self._call("health"), "process": self.process.pid}
+        return {**self._call("health")[0], "process": self.processes[0].pid, "tp": self.tp}
 
     def shutdown(self) -> None:
-        if self.process.is_alive():
+        if all(p.is_alive() for p in self.processes):
             self._call("close")
-            self.process.join(timeout=30)
+        for p in self.processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

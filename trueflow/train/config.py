@@ -145,6 +145,8 @@ class TrainConfig(BaseModel):
                                         "CPU), weights broadcast from trainer rank 0", "parallel", ge=1)
     train_gpus: int | None = _f(None, "--ray, disaggregated: trainer ranks on devices of their own", "parallel",
                                 ge=1)
+    tp: int = _f(1, "tensor-parallel ranks of the engine, one process each (with --engine-process and one trainer "
+                    "rank; docs/tensor-parallel.md)", "parallel", ge=1)
     threads: int | None = _f(None, "intra-op CPU threads of every rank and its engine (default: torch's; torchrun "
                                    "sets 1)", "parallel", ge=1)
     train_dp_split_mode: Literal["contiguous", "stride"] = _f("contiguous", "how train pairs go to DP ranks",
@@ -219,6 +221,8 @@ class TrainConfig(BaseModel):
                               f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
+        if self.tp > 1 and not self.engine_process:
+            errors.append(f"--tp {self.tp} runs the engine over {self.tp} processes of its own: add --engine-process")
         if self.engine_url and self.engine_process:
             errors.append("--engine-url and --engine-process are two placements of the engine: choose one")
         errors += self._ray_errors()
@@ -374,6 +378,9 @@ class TrainConfig(BaseModel):
         if group == "none":
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
                        f"bitwise (use --patch-group {next(iter(fam.patch_groups))})")
+        if self.tp > 1:
+            out.append(f"condition 6: --tp {self.tp}: the engine's tensor-parallel forward sums each row-parallel "
+                       "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
         if self.num_steps_per_rollout > 1:

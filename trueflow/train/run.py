@@ -125,8 +125,12 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) ->
 
     where = dict(checkpoint=cfg.checkpoint, patch_group=cfg.engine_patch_group(),
                  disabled_patches=tuple(cfg.disable_patch), dtype=dtype, family=cfg.family)
+    if cfg.tp > 1 and dist.get_world_size() > 1:
+        raise ValueError(f"--tp {cfg.tp} takes one trainer rank (each rank's engine would claim the same devices); "
+                         f"run --tp with a single process, or data-parallel ranks with --tp 1")
+    process = dict(device=str(device), threads=torch.get_num_threads(), tp=cfg.tp)  # an engine of its own
     if cfg.engine_process and cfg.reward_placement == "engine":  # scored in the engine process
-        return EngineClient(**where, device=str(device), threads=torch.get_num_threads(),
+        return EngineClient(**where, **process,
                             reward=(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
                                     cfg.reward_frames))
     if cfg.ray and cfg.reward_placement == "actor":  # scored by this rank's reward actor
@@ -139,7 +143,7 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) ->
 
         engine = connect_engine(cfg, where, device)
     elif cfg.engine_process:
-        engine = EngineClient(**where, device=str(device), threads=torch.get_num_threads())
+        engine = EngineClient(**where, **process)
     elif cfg.engine_url:
         from ..engine.http_engine import HttpEngine
 
