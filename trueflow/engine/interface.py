@@ -66,14 +66,38 @@ class RolloutEngine(Protocol):
         """Release the engine (its process, its connection); a second call does nothing."""
 
 
-class ScoredEngine:
+class EngineWrapper:
+    """An engine in front of another: every call goes to `engine` unless a subclass says otherwise."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def rollout(self, request: RolloutRequest) -> Rollout:
+        return self.engine.rollout(request)
+
+    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+                       merge_mode: str | None = None) -> str:
+        return self.engine.update_weights(state, lora_scale, merge_mode)
+
+    def checksum(self) -> str:
+        return self.engine.checksum()
+
+    def health(self) -> dict:
+        return self.engine.health()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class ScoredEngine(EngineWrapper):
     """An engine whose every rollout comes back scored: `rollout.rewards` (float32 [P·n], NaN where the reward
     dropped a prompt's group) and `rollout.dropped`, by `reward` (a `rewards.base` reward) with `on_error`. The
     rollout's `times` gain `reward` (seconds). Videos (`[P·n, F, H, W, 3]`) are scored by the image reward on
     `frames` evenly spread frames (first and last included), averaged; a prompt dropped on any frame is dropped."""
 
     def __init__(self, engine: RolloutEngine, reward, on_error: str = "raise", frames: int = 1):
-        self.engine, self.reward, self.on_error, self.frames = engine, reward, on_error, frames
+        super().__init__(engine)
+        self.reward, self.on_error, self.frames = reward, on_error, frames
 
     def rollout(self, request: RolloutRequest) -> Rollout:
         from ..rewards.base import score
@@ -95,15 +119,5 @@ class ScoredEngine:
         rollout.times["reward"] = time.perf_counter() - t0
         return rollout
 
-    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
-                       merge_mode: str | None = None) -> str:
-        return self.engine.update_weights(state, lora_scale, merge_mode)
-
-    def checksum(self) -> str:
-        return self.engine.checksum()
-
     def health(self) -> dict:
         return {**self.engine.health(), "reward": getattr(self.reward, "name", repr(self.reward))}
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
