@@ -287,6 +287,7 @@ class _Sampling(_Strict):
     height: int = _D.height
     width: int = _D.width
     num_frames: int = _D.num_frames
+    fps: float = _D.fps
     max_sequence_length: int = _D.max_sequence_length
     rollout_microgroup_size: int | None = _D.rollout_microgroup_size
 
