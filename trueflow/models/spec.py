@@ -25,6 +25,16 @@ from ..patches import PatchGroup
 Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video
 
 
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """`module.name`, imported when first called: a spec field that points at heavy code (diffusers' schedule and
+    VAE, the reference model, the checkpoint writer) without loading it when the spec is read."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = f"lazy({module}.{name})"
+    return call
+
+
 class Decoder(Protocol):
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int) -> torch.Tensor:
         """Packed latents -> uint8 images `[B, height, width, 3]` (one frame) or videos `[B, num_frames, height,

@@ -3,18 +3,14 @@
 The train side calls diffusers' transformer as the pipeline's unguided pass does, except `isolate_modalities=True`
 and a one-token audio stream (`train.py` says why and what that means); the engine computes the video stream alone
 (`transformer.py`), bitwise with it under the `ltx` patch group (`patches.py`). Heavy pieces (Gemma-3 and the
-connectors, the video VAE, diffusers' schedule and reference model, the checkpoint writer) are imported by the small
-functions below when called, so reading this spec loads none of them.
+connectors, the video VAE, diffusers' schedule and reference model, the checkpoint writer) are imported when called
+(`spec.lazy`), so reading this spec loads none of them.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from ...layers.linear import Linear
-from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
+from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
 from . import patches, weights
 from .latents import LATENT_DTYPE, PIXELS_PER_TOKEN, SIZE_REASON, latent_grid, noise_shape, pack_latents
 from .pipeline import model_output, probe_inputs
@@ -22,36 +18,6 @@ from .prompts import MAX_TEXT_TOKENS, TEXT_STREAMS, encode_prompts, load_text
 from .scheduler_config import LTX2_SCHEDULER_CONFIG
 from .train import LORA_TARGETS, SHARD_UNITS, train_forward, train_timestep
 from .transformer import CrossAttention, FeedForward, SelfAttention, build_model
-
-
-def _schedule(scheduler_config: dict, num_steps: int, image_seq_len: int, device=None):
-    from .schedule import ltx2_schedule
-
-    return ltx2_schedule(scheduler_config, num_steps, image_seq_len, device)
-
-
-def _load_decoder(root: Path, device: torch.device, dtype: torch.dtype):
-    from .vae import VideoDecoder
-
-    return VideoDecoder(root, device, dtype)
-
-
-def _transformer_config(size: str) -> dict:
-    from .presets import transformer_config
-
-    return transformer_config(size)
-
-
-def _build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    from .presets import build_transformer
-
-    return build_transformer(size_or_config, seed, dtype, device)
-
-
-def _write_checkpoint(out: Path, size: str, seed: int, dtype: torch.dtype, device) -> None:
-    from .checkpoint import write_checkpoint
-
-    write_checkpoint(out, size, seed, dtype, device)
 
 
 FAMILY = ModelFamily(
@@ -83,8 +49,8 @@ FAMILY = ModelFamily(
         latent_grid=latent_grid,
         noise_shape=noise_shape,
         pack_latents=pack_latents,
-        schedule=_schedule,
-        load_decoder=_load_decoder,
+        schedule=lazy(f"{__package__}.schedule", "ltx2_schedule"),
+        load_decoder=lazy(f"{__package__}.vae", "VideoDecoder"),
         latent_dtype=LATENT_DTYPE,
         model_output=model_output,
         static_inputs=lambda params: {"fps": float(params.fps)},  # RoPE positions are in seconds
@@ -104,9 +70,9 @@ FAMILY = ModelFamily(
         forward=train_forward,
     ),
     presets=Presets(
-        transformer_config=_transformer_config,
-        build_transformer=_build_transformer,
-        write_checkpoint=_write_checkpoint,
+        transformer_config=lazy(f"{__package__}.presets", "transformer_config"),
+        build_transformer=lazy(f"{__package__}.presets", "build_transformer"),
+        write_checkpoint=lazy(f"{__package__}.checkpoint", "write_checkpoint"),
     ),
     # The public LTX-2.3 GRPO recipe's sampling (`presets.RECIPE`, recipes/ltx23.yaml has the rest).
     recipe={"steps": 24, "sampler": "cps", "noise_level": 0.8, "cfg_scale": 1.0, "num_sde_steps": 3,

@@ -1,7 +1,7 @@
 """Qwen-Image (`QwenImagePipeline`, `QwenImageTransformer2DModel`) as a `ModelFamily`.
 
 Heavy pieces (transformers' text encoder, diffusers' VAE, schedule and reference model, the checkpoint writer) are
-imported by the small functions below when called, so reading this spec loads none of them.
+imported when called (`spec.lazy`, `_load_text`), so reading this spec loads none of them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
 from ...parallel.plan import TPPlan
-from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
+from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
 from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
@@ -42,18 +42,6 @@ def _noise_shape(config: QwenImageConfig, grid: tuple[int, int]) -> tuple[int, .
     return 1, config.in_channels // 4, PATCH * grid[0], PATCH * grid[1]
 
 
-def _schedule(scheduler_config: dict, num_steps: int, image_seq_len: int, device=None):
-    from .schedule import qwen_image_schedule
-
-    return qwen_image_schedule(scheduler_config, num_steps, image_seq_len, device)
-
-
-def _load_decoder(root: Path, device: torch.device, dtype: torch.dtype):
-    from .vae import VaeDecoder
-
-    return VaeDecoder(root, device, dtype)
-
-
 def _probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtype, seed: int, device) -> dict:
     """Seeded probe inputs: packed latents, text embeddings, and one schedule timestep (fp32, 0..1000) shared by
     the batch, as a denoising step has. The engine takes it as is; the train side as the pipeline passes it."""
@@ -64,24 +52,6 @@ def _probe_inputs(config: dict, batch: int, text_len: int, resolution: int, dtyp
     t = (torch.rand(1, generator=g) * 1000).expand(batch).contiguous()
     return {"hidden_states": hs.to(device, dtype), "timestep": t.to(device), "grid": (side, side),
             "cond": {"encoder_hidden_states": ehs.to(device, dtype), "encoder_hidden_states_mask": None}}
-
-
-def _transformer_config(size: str) -> dict:
-    from .presets import transformer_config
-
-    return transformer_config(size)
-
-
-def _build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    from .presets import build_transformer
-
-    return build_transformer(size_or_config, seed, dtype, device)
-
-
-def _write_checkpoint(out: Path, size: str, seed: int, dtype: torch.dtype, device) -> None:
-    from .checkpoint import write_checkpoint
-
-    write_checkpoint(out, size, seed, dtype, device)
 
 
 FAMILY = ModelFamily(
@@ -123,8 +93,8 @@ FAMILY = ModelFamily(
         latent_grid=latent_grid,
         noise_shape=_noise_shape,
         pack_latents=pack_latents,
-        schedule=_schedule,
-        load_decoder=_load_decoder,
+        schedule=lazy(f"{__package__}.schedule", "qwen_image_schedule"),
+        load_decoder=lazy(f"{__package__}.vae", "VaeDecoder"),
         scheduler_config=QWEN_IMAGE_SCHEDULER_CONFIG,
         schedule_note="Qwen-Image's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps",
     ),
@@ -140,9 +110,9 @@ FAMILY = ModelFamily(
         forward=train_forward,
     ),
     presets=Presets(
-        transformer_config=_transformer_config,
-        build_transformer=_build_transformer,
-        write_checkpoint=_write_checkpoint,
+        transformer_config=lazy(f"{__package__}.presets", "transformer_config"),
+        build_transformer=lazy(f"{__package__}.presets", "build_transformer"),
+        write_checkpoint=lazy(f"{__package__}.checkpoint", "write_checkpoint"),
     ),
     # QwenImagePipeline's defaults as the engine runs them (SamplingParams' defaults are these, for now).
     recipe={"steps": 10, "sampler": "sde", "noise_level": 0.7, "cfg_scale": 4.0, "negative_prompt": " ",
