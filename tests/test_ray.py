@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -149,6 +150,48 @@ def test_disaggregated_one_engine(ray_run, tiny_checkpoint, tmp_path, request, t
     assert_same_metrics(rows, reference)
     if trainers == 2:
         assert comparable(rows) == comparable(reference)
+
+
+BROADCAST_TO_A_DEAD_ENGINE = """
+import os, sys, time
+import ray, torch
+from trueflow.ray.actors import BroadcastEngine, EngineActor, weights_group
+from trueflow.train.dist import free_port
+
+checkpoint, temp = sys.argv[1:]
+ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp, log_to_driver=False)
+engine = EngineActor.options(name="engine-0").remote()
+ray.get(engine.load.remote(dict(checkpoint=checkpoint, patch_group="qwen_image", dtype=torch.bfloat16), "cpu", 1,
+                           os.getcwd()))
+port = free_port()
+joined = engine.join_weights_group.remote("127.0.0.1", port, 1, 2, "gloo")
+client = BroadcastEngine(engine, "engine-0", [("engine-0", engine)],
+                         weights_group("127.0.0.1", port, 0, 2, "gloo", "127.0.0.1"), bucket_bytes=1 << 20)
+ray.get(joined)
+state = {f"transformer_blocks.{i}.attn.to_q.lora_{x}.weight": torch.zeros(1 << 20, dtype=torch.bfloat16)
+         for i in range(8) for x in "AB"}
+ray.kill(engine)  # joined to the group, then gone
+t0 = time.monotonic()
+try:
+    client.update_weights(state, 1.0)
+except Exception as e:
+    print(f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+os._exit(0)  # the group's pending broadcast would hold the interpreter's exit for its timeout
+"""
+
+
+def test_broadcast_to_a_dead_engine_names_it(tiny_checkpoint, tmp_path_factory):
+    """Disaggregated: an engine that died after joining trainer rank 0's weight group (a broadcast to it would wait
+    out the collective's 30-minute timeout) is named within seconds."""
+    temp = tmp_path_factory.mktemp("b")
+    try:
+        proc = subprocess.run([sys.executable, "-c", BROADCAST_TO_A_DEAD_ENGINE, str(tiny_checkpoint), str(temp)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-3000:]
+    assert line.startswith("ActorDied after ") and "the Ray engine actor engine-0 died" in line, line
+    assert float(line.split()[2]) < 10, line
 
 
 @pytest.mark.parametrize("flags, fix", [

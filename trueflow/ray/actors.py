@@ -283,7 +283,16 @@ class BroadcastEngine(RayEngine):
         layout = [(b.manifest, b.buffer.numel()) for b in buckets]
         refs = [(name, actor.receive.remote(layout, lora_scale, merge_mode)) for name, actor in self.engines]
         for b in buckets:
-            self.group.broadcast(b.buffer, 0).wait()
+            work = self.group.broadcast(b.buffer, 0)
+            # A collective may not notice a dead peer (it waits out its timeout), or fail without naming it: the
+            # engines' answers say which died (a dead engine's arrives at once, as ActorDied naming it).
+            while not work.is_completed():
+                _raise_if_dead(refs, 0.01)
+            try:
+                work.wait()
+            except RuntimeError:
+                _raise_if_dead(refs, 10.0)
+                raise
         sums = [(name, answer(ref, name)) for name, ref in refs]
         differ = [f"{name} holds {s}" for name, s in sums if s != sums[0][1]]
         return sums[0][1] if not differ else f"engines disagree: {sums[0][0]} holds {sums[0][1]}, {', '.join(differ)}"
@@ -312,6 +321,14 @@ def connect_engine(cfg: TrainConfig, where: dict, device: torch.device, scored: 
     answer(actor.load.remote(cfg.reward, cfg.reward_model, device.type, cfg.reward_url, cfg.reward_on_error,
                              cfg.reward_frames, os.getcwd()), name, "reward")
     return ActorScored(engine, actor, name)
+
+
+def _raise_if_dead(refs: list[tuple[str, object]], timeout: float) -> None:
+    """Raise ActorDied for an engine among `refs` (name, pending call) that died within `timeout` seconds."""
+    done, _ = ray.wait([ref for _, ref in refs], num_returns=1, timeout=timeout)
+    for name, ref in refs:
+        if ref in done:
+            answer(ref, name)
 
 
 def _find(name: str, kind: str):
