@@ -176,6 +176,7 @@ try:
     client.update_weights(state, 1.0)
 except Exception as e:
     print(f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+ray.shutdown()  # the cluster's processes end with it
 os._exit(0)  # the group's pending broadcast would hold the interpreter's exit for its timeout
 """
 
