@@ -204,6 +204,7 @@ def test_broadcast_to_a_dead_engine_names_it(tiny_checkpoint, tmp_path_factory):
     (["--ray", "--world-size", "3"], "multiple of the 3 trainer ranks"),
     (["--reward-placement", "actor"], "--reward-placement actor: settings of a Ray run; add --ray"),
     (["--ray", "--reward-placement", "engine"], "--reward-placement trainer"),
+    (["--ray", "--tp", "2"], "drop --tp or --ray"),
 ])
 def test_bad_ray_settings_are_one_line_with_the_fix(tmp_path, capsys, flags, fix):
     assert main(["train", "--output-dir", str(tmp_path / "run"), *flags]) == 2

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import ray
 import torch
 
+from ..engine.interface import EngineWrapper
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, pack, unpack
 from ..sync.checksum import tensors_checksum
 
@@ -174,13 +175,14 @@ class _Made:
         return self.made
 
 
-class ActorScored:
+class ActorScored(EngineWrapper):
     """An engine whose rollouts a reward actor scores (the `ScoredEngine` of `--reward-placement actor`). A dead
     reward actor raises `ActorDied` naming it, whatever `on_error` says; the reward's own failure arrives as the
     `RewardError` it is."""
 
     def __init__(self, engine: RolloutEngine, actor, name: str):
-        self.engine, self.actor, self.name = engine, actor, name
+        super().__init__(engine)
+        self.actor, self.name = actor, name
 
     def rollout(self, request: RolloutRequest) -> Rollout:
         rollout = self.engine.rollout(request)
@@ -188,18 +190,8 @@ class ActorScored:
             self.actor.score.remote(rollout.images, request), self.name, "reward")
         return rollout
 
-    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
-                       merge_mode: str | None = None) -> str:
-        return self.engine.update_weights(state, lora_scale, merge_mode)
-
-    def checksum(self) -> str:
-        return self.engine.checksum()
-
     def health(self) -> dict:
         return {**self.engine.health(), "reward": self.name}
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
 
 
 @ray.remote

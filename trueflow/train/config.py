@@ -275,6 +275,9 @@ class TrainConfig(BaseModel):
         errors = []
         if self.engine_process or self.engine_url:
             errors.append("--ray places each rank's engine as a Ray actor: drop --engine-process / --engine-url")
+        if self.tp > 1:
+            errors.append(f"--tp {self.tp}: a Ray run's engine actors run at --tp 1 (tensor-parallel engine actors "
+                          "are not implemented); drop --tp or --ray")
         if self.reward_placement == "engine":
             errors.append("--ray scores in each trainer rank (--reward-placement trainer) or in a reward actor "
                           "beside it (--reward-placement actor)")
