@@ -221,7 +221,7 @@ class TrainConfig(BaseModel):
                               f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
-        if self.tp > 1 and not self.engine_process:
+        if self.tp > 1 and not self.engine_process and not self.ray:  # --ray refuses --tp itself
             errors.append(f"--tp {self.tp} runs the engine over {self.tp} processes of its own: add --engine-process")
         if self.engine_url and self.engine_process:
             errors.append("--engine-url and --engine-process are two placements of the engine: choose one")
