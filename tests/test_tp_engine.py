@@ -69,3 +69,22 @@ def test_tp_is_refused_where_it_cannot_run(tiny_checkpoint, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cat", "--tp", "3",
                  "--out", str(tmp_path / "g")]) == 2
     assert "--tp" in capsys.readouterr().err
+
+
+def test_train_with_the_tp_matched_train_side_is_bitwise(tiny_checkpoint, tmp_path):
+    """`--train-tp-match 2`: the trainer computes each sharded layer as the engine's 2 ranks do (diffusers' own model,
+    its linear layers and attention split as the plan says), so parity is 0.0 at every step again, with real LoRA
+    training through it; no TP parity warning."""
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(tiny_checkpoint), engine_process=True, tp=2,
+                      train_tp_match=2, steps=3, num_sde_steps=1, num_rollouts=2, rollout_batch_size=2,
+                      n_samples_per_prompt=4, rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParityConditionWarning)
+        run_training(cfg)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    for r in rows:
+        assert r["model_output_max_abs_diff"] == 0.0 and r["log_prob_max_abs_diff"] == 0.0 and r["ratio_mean"] == 1.0
+        assert r["lora_update_norm"] > 0 and r["checksums_equal"]
+    with pytest.raises(ValueError, match="--train-tp-match 3 must equal --tp 2"):
+        TrainConfig(output_dir=str(tmp_path / "r"), checkpoint=str(tiny_checkpoint), engine_process=True, tp=2,
+                    train_tp_match=3).validate()

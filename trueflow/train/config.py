@@ -147,6 +147,8 @@ class TrainConfig(BaseModel):
                                 ge=1)
     tp: int = _f(1, "tensor-parallel ranks of the engine, one process each (with --engine-process and one trainer "
                     "rank; docs/tensor-parallel.md)", "parallel", ge=1)
+    train_tp_match: int | None = _f(None, "compute each sharded layer of the train side as the engine's --tp ranks "
+                                          "do (= --tp): bitwise under tensor parallelism", "parallel", ge=2)
     threads: int | None = _f(None, "intra-op CPU threads of every rank and its engine (default: torch's; torchrun "
                                    "sets 1)", "parallel", ge=1)
     train_dp_split_mode: Literal["contiguous", "stride"] = _f("contiguous", "how train pairs go to DP ranks",
@@ -221,6 +223,9 @@ class TrainConfig(BaseModel):
                               f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
             errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
+        if self.train_tp_match is not None and self.train_tp_match != self.tp:
+            errors.append(f"--train-tp-match {self.train_tp_match} must equal --tp {self.tp}: the train side computes "
+                          "each sharded layer as the engine's ranks do")
         if self.tp > 1 and not self.engine_process and not self.ray:  # --ray refuses --tp itself
             errors.append(f"--tp {self.tp} runs the engine over {self.tp} processes of its own: add --engine-process")
         if self.engine_url and self.engine_process:
@@ -381,8 +386,8 @@ class TrainConfig(BaseModel):
         if group == "none":
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
                        f"bitwise (use --patch-group {next(iter(fam.patch_groups))})")
-        if self.tp > 1:
-            out.append(f"condition 6: --tp {self.tp}: the engine's tensor-parallel forward sums each row-parallel "
+        if self.tp > 1 and self.train_tp_match != self.tp:
+            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel forward sums each row-parallel "
                        "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")

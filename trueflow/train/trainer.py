@@ -69,6 +69,11 @@ class Trainer:
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
         self.model = build_policy(self.family, cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed,
                                   cfg.gradient_checkpointing)
+        if cfg.train_tp_match:  # each sharded layer as the engine's tensor-parallel ranks compute it
+            from ..parallel.engine import tp_plan
+            from ..parallel.train_match import match_tp
+
+            match_tp(self.model, tp_plan(self.family, cfg.train_tp_match), cfg.train_tp_match)
         self.named_params = lora_parameters(self.model)
         self.params = list(self.named_params.values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
