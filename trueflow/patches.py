@@ -12,6 +12,16 @@ from typing import Callable
 
 from torch import nn
 
+def set_on(kinds: type | tuple[type, ...], attr: str, value) -> Callable[[nn.Module], None]:
+    """A patch's `apply` that sets `attr = value` on every module of the given type(s) (how a patch switches a layer
+    to its train-exact path)."""
+    def apply(model: nn.Module) -> None:
+        for m in model.modules():
+            if isinstance(m, kinds):
+                setattr(m, attr, value)
+    return apply
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str

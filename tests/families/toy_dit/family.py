@@ -37,7 +37,7 @@ from trueflow.checkpoints.random_init import init_weights_
 from trueflow.layers.linear import Linear
 from trueflow.models import weight_map
 from trueflow.models.spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
-from trueflow.patches import Patch, PatchGroup
+from trueflow.patches import Patch, PatchGroup, set_on
 
 PIXELS_PER_TOKEN = 16
 EPS = 1e-6
@@ -188,23 +188,15 @@ def build_model(config: dict, device="cpu", dtype: torch.dtype = torch.bfloat16)
     return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
 
 
-def _set(kind: type, attr: str, value):
-    def apply(model: nn.Module) -> None:
-        for m in model.modules():
-            if isinstance(m, kind):
-                setattr(m, attr, value)
-    return apply
-
-
 def make_group(train_backend: str = "native") -> PatchGroup:
     if train_backend != "native":
         raise ValueError(f"the toy engine reproduces only the `native` train backend, not {train_backend!r}")
     return PatchGroup("toy", (
         Patch("layer_norm_add", "LayerNorm rounded to bf16 before the timestep is added, as the train side does",
-              _set(EngineBlock, "exact_norm_add", True)),
+              set_on(EngineBlock, "exact_norm_add", True)),
         Patch("timestep_dtype", "t.to(bf16) / 1000, as the train side receives it",
-              _set(ToyEngine, "exact_timestep", True)),
-        Patch("lora_unmerged", "LoRA kept unmerged, in PEFT's order", _set(ToyEngine, "lora_merge", False)),
+              set_on(ToyEngine, "exact_timestep", True)),
+        Patch("lora_unmerged", "LoRA kept unmerged, in PEFT's order", set_on(ToyEngine, "lora_merge", False)),
     ))
 
 

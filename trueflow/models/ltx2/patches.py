@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers.linear import Linear
-from ...patches import Patch, PatchGroup
+from ...patches import Patch, PatchGroup, set_on
 from .transformer import (AttentionGate, CrossAttention, GatedResidual, LTX2Config, LTX2Transformer,
                           LayerNormScaleShift, QKNormRope, RMSNormScaleShift, RotaryEmbedding, ScaleShift,
                           SelfAttention, Tables, split_tables)
@@ -139,15 +139,6 @@ def rope_tables_reference(config: LTX2Config, grid: tuple[int, int, int], fps: f
 
 
 # -- the group -------------------------------------------------------------------------------------------------
-def _set(kinds: type | tuple[type, ...], attr: str, value):
-    """A patch that sets `attr = value` on every module of the given type(s)."""
-    def apply(model: torch.nn.Module) -> None:
-        for m in model.modules():
-            if isinstance(m, kinds):
-                setattr(m, attr, value)
-    return apply
-
-
 # The train side's diffusers attention backend -> the engine kernel whose forward is bitwise that backend's.
 TRAIN_ATTENTION_KERNELS = {"native": "sdpa", "_native_math": "math", "_native_efficient": "efficient"}
 DEFAULT_TRAIN_ATTENTION_BACKEND = "native"
@@ -162,29 +153,29 @@ def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -
     kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
     return PatchGroup("ltx", (
         Patch("rms_norm_scale_shift", "RMSNorm rounded to bf16, then (1+scale), ·, +shift each rounded",
-              _set(RMSNormScaleShift, "impl", rms_norm_scale_shift_reference)),
+              set_on(RMSNormScaleShift, "impl", rms_norm_scale_shift_reference)),
         Patch("text_kv_modulation", "the text's per-block key/value modulation, (1+scale), ·, +shift each rounded",
-              _set(ScaleShift, "impl", scale_shift_reference)),
+              set_on(ScaleShift, "impl", scale_shift_reference)),
         Patch("gated_residual", "residual + y·gate with the product and the sum each rounded",
-              _set(GatedResidual, "impl", gated_residual_reference)),
+              set_on(GatedResidual, "impl", gated_residual_reference)),
         Patch("layer_norm_scale_shift", "output LayerNorm rounded to bf16, then (1+scale), ·, +shift each rounded",
-              _set(LayerNormScaleShift, "impl", layer_norm_scale_shift_reference)),
+              set_on(LayerNormScaleShift, "impl", layer_norm_scale_shift_reference)),
         Patch("attention_gate", "2·sigmoid(logits) rounded to bf16 before the per-head product",
-              _set(AttentionGate, "impl", attention_gate_reference)),
+              set_on(AttentionGate, "impl", attention_gate_reference)),
         Patch("qk_norm_rope", "qk RMSNorm rounded to bf16, then split RoPE in fp32 with addcmul_, rounded",
-              _set(QKNormRope, "impl", qk_norm_rope_reference)),
+              set_on(QKNormRope, "impl", qk_norm_rope_reference)),
         Patch("rope_tables", "RoPE tables from pixel-space patch bounds and float64 frequencies, as diffusers",
-              _set(RotaryEmbedding, "impl", rope_tables_reference)),
+              set_on(RotaryEmbedding, "impl", rope_tables_reference)),
         Patch("unpacked_qkv", "separate q/k/v/gate GEMMs with the bias in the same call",
-              _set(Linear, "unpacked", True)),
+              set_on(Linear, "unpacked", True)),
         Patch("text_mask_bias", "the text mask as the pipeline's additive bf16 bias (1-m)·-10000 per head, "
                                 "all ones when none is given",
-              _set(LTX2Transformer, "text_mask_bias", True)),
+              set_on(LTX2Transformer, "text_mask_bias", True)),
         Patch("attention_kernel", f"the SDPA kernel of the train side's `{train_attention_backend}` backend "
                                   f"({'chosen by SDPA on the same call' if kernel == 'sdpa' else kernel + ' pinned'})",
-              _set((SelfAttention, CrossAttention), "backend", kernel)),
+              set_on((SelfAttention, CrossAttention), "backend", kernel)),
         Patch("lora_unmerged", "LoRA updates stay unmerged, evaluated in PEFT's order: (W x + b) + scale·B(A x)",
-              _set(LTX2Transformer, "lora_merge", False)),
+              set_on(LTX2Transformer, "lora_merge", False)),
     ))
 
 

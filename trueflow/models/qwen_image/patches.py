@@ -24,7 +24,7 @@ from ...layers.linear import Linear
 from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
 from ...layers.rope import QKNormRope, RopeTables, into
-from ...patches import Patch, PatchGroup
+from ...patches import Patch, PatchGroup, set_on
 from .transformer import (JointAttention, QwenImageTransformer, RotaryEmbedding, TIMESTEP_CHANNELS,
                           TimestepEmbedding, rope_positions)
 
@@ -180,18 +180,9 @@ def timestep_proj_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 # -- the group -------------------------------------------------------------------------------------------------
-def _set(kind: type, attr: str, value):
-    """A patch that sets `attr = value` on every module of type `kind`."""
-    def apply(model: torch.nn.Module) -> None:
-        for m in model.modules():
-            if isinstance(m, kind):
-                setattr(m, attr, value)
-    return apply
-
-
 def _qk_norm_rope(model: torch.nn.Module) -> None:
-    _set(RotaryEmbedding, "impl", rope_tables_reference)(model)
-    _set(QKNormRope, "impl", qk_norm_rope_exact)(model)
+    set_on(RotaryEmbedding, "impl", rope_tables_reference)(model)
+    set_on(QKNormRope, "impl", qk_norm_rope_exact)(model)
 
 
 # The train side's diffusers attention backend -> the engine kernel whose forward is bitwise that backend's.
@@ -208,27 +199,27 @@ def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -
     kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
     return PatchGroup("qwen_image", (
         Patch("rms_norm", "RMSNorm rounds x·rsqrt to bf16 before the weight multiply",
-              _set(RMSNorm, "impl", rms_norm_exact)),
+              set_on(RMSNorm, "impl", rms_norm_exact)),
         Patch("layer_norm_scale_shift", "bf16 LayerNorm, then (1+scale), ·, +shift each rounded",
-              _set(LayerNormScaleShift, "impl", layer_norm_scale_shift_exact)),
+              set_on(LayerNormScaleShift, "impl", layer_norm_scale_shift_exact)),
         Patch("scale_residual_layer_norm_scale_shift",
               "residual + gate·y rounded twice; the norm reads the rounded residual",
-              _set(ScaleResidualLayerNormScaleShift, "impl", scale_residual_layer_norm_scale_shift_exact)),
+              set_on(ScaleResidualLayerNormScaleShift, "impl", scale_residual_layer_norm_scale_shift_exact)),
         Patch("mul_add", "eager bf16 c + a·(k+b) instead of one fp32 rounding",
-              _set(MulAdd, "impl", mul_add_exact)),
+              set_on(MulAdd, "impl", mul_add_exact)),
         Patch("qk_norm_rope", "qk-norm rounded to bf16, then complex-multiplication RoPE from diffusers-built tables",
               _qk_norm_rope),
         Patch("contiguous_split", "joint-attention output slices made contiguous before to_out/to_add_out",
-              _set(JointAttention, "contiguous_split", True)),
+              set_on(JointAttention, "contiguous_split", True)),
         Patch("unpacked_qkv", "separate q/k/v GEMMs with the bias in the same call",
-              _set(Linear, "unpacked", True)),
+              set_on(Linear, "unpacked", True)),
         Patch("timestep_dtype", "the timestep as the pipeline passes it, t.to(bf16)/1000, before the fp32 sinusoid",
-              _set(TimestepEmbedding, "proj_impl", timestep_proj_reference)),
+              set_on(TimestepEmbedding, "proj_impl", timestep_proj_reference)),
         Patch("attention_kernel", f"the SDPA {kernel} kernel pinned, as the train side's `{train_attention_backend}` "
                                   f"backend runs it",
-              _set(JointAttention, "backend", kernel)),
+              set_on(JointAttention, "backend", kernel)),
         Patch("lora_unmerged", "LoRA updates stay unmerged, evaluated in PEFT's order: (W x + b) + scale·B(A x)",
-              _set(QwenImageTransformer, "lora_merge", False)),
+              set_on(QwenImageTransformer, "lora_merge", False)),
     ))
 
 
