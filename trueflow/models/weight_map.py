@@ -28,6 +28,32 @@ class Names(NamedTuple):
 
 SAME_NAMES = Names(lambda name: (name, None), lambda name, slot=None: name)
 
+BLOCK = re.compile(r"^(transformer_blocks\.\d+\.)(.+)$")  # a block's prefix, kept by a rename, and the rest
+
+
+def renamed(block: dict[str, tuple[str, int | None]], top: dict[str, tuple[str, int | None]],
+            reverse_block: dict[tuple[str, int | None], str] | None = None) -> Names:
+    """The name map of rename tables: diffusers name -> (engine name, packed slot), inside a block (the
+    `transformer_blocks.N.` prefix kept) and at the top level; names not listed are the same on both sides. The
+    inverse is the tables reversed, plus `reverse_block` (engine names no forward entry produces)."""
+    back_block = {v: k for k, v in block.items()} | (reverse_block or {})
+    back_top = {v: k for k, v in top.items()}
+
+    def map_module_name(diffusers_name: str) -> tuple[str, int | None]:
+        m = BLOCK.match(diffusers_name)
+        if m:
+            engine, slot = block.get(m.group(2), (m.group(2), None))
+            return m.group(1) + engine, slot
+        return top.get(diffusers_name, (diffusers_name, None))
+
+    def diffusers_module_name(engine_name: str, slot: int | None = None) -> str:
+        m = BLOCK.match(engine_name)
+        if m:
+            return m.group(1) + back_block.get((m.group(2), slot), m.group(2))
+        return back_top.get((engine_name, slot), engine_name)
+
+    return Names(map_module_name, diffusers_module_name)
+
 
 class WeightLoadError(ValueError):
     """Raised with every missing, unexpected, mis-shaped and refused tensor listed at once; nothing was applied."""

@@ -36,11 +36,9 @@ _TOP_RENAMES: dict[str, tuple[str, int | None]] = {
     f"{emb}.emb.timestep_embedder.{lin}": (f"{emb}.{lin}", None)
     for emb in ("time_embed", "prompt_adaln") for lin in ("linear_1", "linear_2")
 }
-_BLOCK = re.compile(r"^(transformer_blocks\.\d+\.)(.+)$")
-_REVERSE_BLOCK = {v: k for k, v in _BLOCK_RENAMES.items()}
 # Without gated attention the text attention's q layer is not packed (one split, slot None when named by the engine).
-_REVERSE_BLOCK[("attn2.to_q_gate", None)] = "attn2.to_q"
-_REVERSE_TOP = {v: k for k, v in _TOP_RENAMES.items()}
+NAMES = weight_map.renamed(_BLOCK_RENAMES, _TOP_RENAMES, {("attn2.to_q_gate", None): "attn2.to_q"})
+map_module_name, diffusers_module_name = NAMES  # diffusers module -> (engine module, packed slot), and back
 
 # The audio stream and the cross-modal attentions, top level and inside a block.
 _AUDIO_TOP = re.compile(r"^(audio_|av_cross_attn_)")
@@ -50,28 +48,8 @@ _AUDIO_BLOCK = re.compile(r"^(audio_|video_to_audio_|video_a2v_cross_attn_scale_
 def is_audio_only(diffusers_name: str) -> bool:
     """Whether a diffusers tensor or module name belongs to the audio stream or to a cross-modal attention (the
     audio-to-video attention `audio_to_video_*` included: its query is video, but isolation turns it off)."""
-    m = _BLOCK.match(diffusers_name)
+    m = weight_map.BLOCK.match(diffusers_name)
     return bool(_AUDIO_BLOCK.match(m.group(2)) if m else _AUDIO_TOP.match(diffusers_name))
-
-
-def map_module_name(diffusers_name: str) -> tuple[str, int | None]:
-    """diffusers module name -> (engine module name, packed slot or None)."""
-    m = _BLOCK.match(diffusers_name)
-    if m:
-        engine, slot = _BLOCK_RENAMES.get(m.group(2), (m.group(2), None))
-        return m.group(1) + engine, slot
-    return _TOP_RENAMES.get(diffusers_name, (diffusers_name, None))
-
-
-def diffusers_module_name(engine_name: str, slot: int | None = None) -> str:
-    """The inverse of `map_module_name`."""
-    m = _BLOCK.match(engine_name)
-    if m:
-        return m.group(1) + _REVERSE_BLOCK.get((m.group(2), slot), m.group(2))
-    return _REVERSE_TOP.get((engine_name, slot), engine_name)
-
-
-NAMES = weight_map.Names(map_module_name, diffusers_module_name)
 
 
 def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -7,8 +7,6 @@ checked loading with it.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -33,29 +31,8 @@ _TOP_RENAMES: dict[str, tuple[str, int | None]] = {
     "time_text_embed.timestep_embedder.linear_1": ("time_text_embed.linear_1", None),
     "time_text_embed.timestep_embedder.linear_2": ("time_text_embed.linear_2", None),
 }
-_BLOCK = re.compile(r"^(transformer_blocks\.\d+\.)(.+)$")
-_REVERSE_BLOCK = {v: k for k, v in _BLOCK_RENAMES.items()}
-_REVERSE_TOP = {v: k for k, v in _TOP_RENAMES.items()}
-
-
-def map_module_name(diffusers_name: str) -> tuple[str, int | None]:
-    """diffusers module name -> (engine module name, packed slot or None)."""
-    m = _BLOCK.match(diffusers_name)
-    if m:
-        engine, slot = _BLOCK_RENAMES.get(m.group(2), (m.group(2), None))
-        return m.group(1) + engine, slot
-    return _TOP_RENAMES.get(diffusers_name, (diffusers_name, None))
-
-
-def diffusers_module_name(engine_name: str, slot: int | None = None) -> str:
-    """The inverse of `map_module_name`."""
-    m = _BLOCK.match(engine_name)
-    if m:
-        return m.group(1) + _REVERSE_BLOCK.get((m.group(2), slot), m.group(2))
-    return _REVERSE_TOP.get((engine_name, slot), engine_name)
-
-
-NAMES = weight_map.Names(map_module_name, diffusers_module_name)
+NAMES = weight_map.renamed(_BLOCK_RENAMES, _TOP_RENAMES)
+map_module_name, diffusers_module_name = NAMES  # diffusers module -> (engine module, packed slot), and back
 
 
 def _expected_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, slice | None]]:
