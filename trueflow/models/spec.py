@@ -94,7 +94,6 @@ class PipelineSide:
     # to the engine model and the train forward alike and recorded with each microgroup; None: there are none
     static_inputs: Callable[[Any], dict[str, Any]] | None = None
     scheduler_config: Mapping[str, Any] = field(default_factory=dict)  # what a checkpoint without one schedules by
-    schedule_note: str = ""  # why the schedule may refuse a step count, in a few words, for the error message
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,6 @@ FAMILY = ModelFamily(
         model_output=model_output,
         static_inputs=lambda params: {"fps": float(params.fps)},  # RoPE positions are in seconds
         scheduler_config=LTX2_SCHEDULER_CONFIG,
-        schedule_note="LTX-2's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps",
     ),
     probe_inputs=probe_inputs,
     train=TrainSide(

@@ -6,10 +6,10 @@ AND as `sigma`; the pipeline's own velocity round trip and Euler step use `sigma
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
-from diffusers.schedulers import FlowMatchEulerDiscreteScheduler
+
+from ..flow_schedule import pipeline_schedule
 
 SCHEDULE_NOTE = "LTX-2's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps"
 
@@ -18,21 +18,6 @@ def ltx2_schedule(scheduler_config: dict, num_steps: int, image_seq_len: int,
                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(sigmas [T+1] fp32, timesteps [T] fp32)` exactly as `LTX2Pipeline.__call__` sets them for a video of
     `image_seq_len` tokens (frames x rows x cols)."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-    mu = calculate_shift(
-        image_seq_len,
-        scheduler.config.get("base_image_seq_len", 1024),
-        scheduler.config.get("max_image_seq_len", 4096),
-        scheduler.config.get("base_shift", 0.95),
-        scheduler.config.get("max_shift", 2.05),
-    )
-    with np.errstate(invalid="ignore", divide="ignore"):  # a non-finite schedule is refused just below
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, None, sigmas=sigmas, mu=mu)
-    if not torch.isfinite(scheduler.sigmas).all():
-        # one step with `shift_terminal`: the stretch divides by 1 - sigmas[-1] = 0
-        raise ValueError(f"this scheduler config gives a non-finite schedule for num_steps={num_steps} "
-                         f"({SCHEDULE_NOTE})")
-    return scheduler.sigmas, timesteps
+    # LTX2Pipeline's fallbacks for a config that omits a key.
+    return pipeline_schedule(scheduler_config, num_steps, image_seq_len, device, (1024, 4096, 0.95, 2.05),
+                             calculate_shift, retrieve_timesteps, SCHEDULE_NOTE)

@@ -96,7 +96,6 @@ FAMILY = ModelFamily(
         schedule=lazy(f"{__package__}.schedule", "qwen_image_schedule"),
         load_decoder=lazy(f"{__package__}.vae", "VaeDecoder"),
         scheduler_config=QWEN_IMAGE_SCHEDULER_CONFIG,
-        schedule_note="Qwen-Image's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps",
     ),
     probe_inputs=_probe_inputs,
     train=TrainSide(

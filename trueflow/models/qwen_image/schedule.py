@@ -1,21 +1,19 @@
 """The Qwen-Image timestep schedule, computed by diffusers' own code.
 
-Both the rollout engine and the trainer take sigmas and timesteps from here, so neither side ever
-re-derives them: the schedule is built by the very calls `QwenImagePipeline.__call__` makes
-(`np.linspace` sigmas, `calculate_shift` for mu, `retrieve_timesteps` → `set_timesteps(sigmas=, mu=)`).
-Re-implementing the shift would be easy to get *almost* right: diffusers casts the float64
-linspace to float32 *before* the exponential time shift and the terminal stretch, which it then
-evaluates in numpy float32, so a float64 re-implementation rounds differently in the last bit.
+The very calls `QwenImagePipeline.__call__` makes (`trueflow.models.flow_schedule` says which, and why diffusers'
+own code is used).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-from diffusers.schedulers import FlowMatchEulerDiscreteScheduler
+
+from ..flow_schedule import pipeline_schedule
 
 from .scheduler_config import QWEN_IMAGE_SCHEDULER_CONFIG  # noqa: F401 - the config the schedule reads by default
+
+SCHEDULE_NOTE = "Qwen-Image's scheduler stretches its sigmas to a terminal value, which takes at least 2 steps"
 
 
 def qwen_image_schedule(
@@ -36,20 +34,6 @@ def qwen_image_schedule(
         timesteps: fp32 `[num_steps]`, `sigmas[:-1] * num_train_timesteps` (what the transformer
             receives, divided by 1000 by the pipeline).
     """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    # The pipeline's own lines, including its fallbacks for configs that omit a key.
-    sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-    mu = calculate_shift(
-        image_seq_len,
-        scheduler.config.get("base_image_seq_len", 256),
-        scheduler.config.get("max_image_seq_len", 4096),
-        scheduler.config.get("base_shift", 0.5),
-        scheduler.config.get("max_shift", 1.15),
-    )
-    timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, sigmas=sigmas, mu=mu)
-    if not torch.isfinite(scheduler.sigmas).all():
-        # e.g. one step with `shift_terminal`: the stretch divides by 1 - sigmas[-1] = 0 (diffusers gives NaN)
-        raise ValueError(f"this scheduler config gives a non-finite schedule for num_steps={num_steps}")
-    return scheduler.sigmas, timesteps
+    # QwenImagePipeline's fallbacks for a config that omits a key.
+    return pipeline_schedule(scheduler_config, num_steps, image_seq_len, device, (256, 4096, 0.5, 1.15),
+                             calculate_shift, retrieve_timesteps, SCHEDULE_NOTE)
