@@ -32,6 +32,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny LTX-2.3 pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.models.ltx2.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("ltx2_tiny")
+    write_checkpoint(out, "tiny", 0, torch.float32, "cpu")
+    return out
+
+
+# LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to
+# the video ones only when None, and the pipeline's audio defaults are 7 / 1 / 3 / 0.7.
+LTX2_UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+                     modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
+
+
 def copy_transformer(checkpoint: Path, dst: Path) -> Path:
     """A writable copy of a checkpoint's transformer/ folder under `dst` (for tests that break files)."""
     shutil.copytree(checkpoint / "transformer", dst / "transformer")

@@ -7,44 +7,33 @@ import pytest
 import torch
 from diffusers import LTX2Pipeline
 
+from conftest import LTX2_UNGUIDED
 from trueflow.models.ltx2.checkpoint import write_checkpoint
 from trueflow.models.ltx2.presets import transformer_config
 
-# Guidance, STG, modality guidance and rescale off for both streams: the audio scales default to the video ones
-# only when None, and LTX2Pipeline's audio defaults are 7 / 1 / 3 / 0.7.
-UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
-                modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ltx2_tiny")
-    write_checkpoint(out, "tiny", 0, torch.float32, "cpu")
-    return out
-
-
-def test_layout(ckpt):
-    index = json.loads((ckpt / "model_index.json").read_text())
+def test_layout(ltx2_checkpoint):
+    index = json.loads((ltx2_checkpoint / "model_index.json").read_text())
     assert index["_class_name"] == "LTX2Pipeline"
     assert {k: v[1] for k, v in index.items() if not k.startswith("_") and v[0] is not None} == {
         "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKLLTX2Video",
         "audio_vae": "AutoencoderKLLTX2Audio", "text_encoder": "Gemma3ForConditionalGeneration",
         "tokenizer": "GemmaTokenizer", "connectors": "LTX2TextConnectors",
         "transformer": "LTX2VideoTransformer3DModel", "vocoder": "LTX2VocoderWithBWE"}
-    config = json.loads((ckpt / "transformer" / "config.json").read_text())
+    config = json.loads((ltx2_checkpoint / "transformer" / "config.json").read_text())
     assert {k: config[k] for k in transformer_config("tiny")} == {
         k: list(v) if isinstance(v, tuple) else v for k, v in transformer_config("tiny").items()}
-    text = json.loads((ckpt / "text_encoder" / "config.json").read_text())
+    text = json.loads((ltx2_checkpoint / "text_encoder" / "config.json").read_text())
     assert text["vision_config"]["model_type"] == "siglip_vision_model"  # Gemma-3 keeps its vision tower
 
 
 @pytest.mark.parametrize("num_frames,height,width", [(9, 64, 96), (17, 32, 64)])
-def test_diffusers_decodes_the_requested_frames(ckpt, num_frames, height, width):
-    pipe = LTX2Pipeline.from_pretrained(ckpt)
+def test_diffusers_decodes_the_requested_frames(ltx2_checkpoint, num_frames, height, width):
+    pipe = LTX2Pipeline.from_pretrained(ltx2_checkpoint)
     pipe.set_progress_bar_config(disable=True)
     out = pipe(prompt=["a red apple on a table", "a cat"], num_frames=num_frames, height=height, width=width,
                num_inference_steps=2, max_sequence_length=32, output_type="np",
-               generator=torch.Generator().manual_seed(0), **UNGUIDED)
+               generator=torch.Generator().manual_seed(0), **LTX2_UNGUIDED)
     assert out.frames.shape == (2, num_frames, height, width, 3)
     assert out.frames.std() > 0.01  # random weights still give a picture that varies
     assert out.audio.shape[:2] == (2, 2) and out.audio.shape[2] > 0

@@ -12,8 +12,8 @@ from diffusers import LTX2Pipeline
 from diffusers.models.attention_dispatch import attention_backend
 from peft import LoraConfig, get_peft_model_state_dict
 
+from conftest import LTX2_UNGUIDED
 from trueflow.collate import collate_cond
-from trueflow.models.ltx2.checkpoint import write_checkpoint
 from trueflow.models.ltx2.latents import latent_grid, noise_shape, pack_latents, unpack_latents
 from trueflow.models.ltx2.pipeline import euler_step, model_output, probe_inputs
 from trueflow.models.ltx2.presets import RECIPE, build_transformer, transformer_config
@@ -26,21 +26,12 @@ from trueflow.models.ltx2.vae import VideoDecoder
 
 PROMPTS = ["a red apple on a wooden table", "  a small cat  "]
 FRAMES, HEIGHT, WIDTH, STEPS, TEXT_LEN = 9, 64, 96, 2, 32
-UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
-                modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ltx2_tiny")
-    write_checkpoint(out, "tiny", 0, torch.float32, "cpu")
-    return out
-
-
-def run_pipeline(ckpt, seed=0, dtype=torch.float32, **overrides):
+def run_pipeline(ltx2_checkpoint, seed=0, dtype=torch.float32, **overrides):
     """Run LTX2Pipeline in `dtype` and record every transformer call (its keyword inputs and its video output) and
     the latents after each step."""
-    pipe = LTX2Pipeline.from_pretrained(ckpt, dtype=dtype)
+    pipe = LTX2Pipeline.from_pretrained(ltx2_checkpoint, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     calls, stepped = [], []
 
@@ -59,20 +50,20 @@ def run_pipeline(ckpt, seed=0, dtype=torch.float32, **overrides):
 
     args = dict(prompt=PROMPTS, num_frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
                 max_sequence_length=TEXT_LEN, output_type="np", generator=torch.Generator().manual_seed(seed),
-                callback_on_step_end=on_step, **UNGUIDED)
+                callback_on_step_end=on_step, **LTX2_UNGUIDED)
     args.update(overrides)
     out = pipe(**args)
     return pipe, calls, stepped, out
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def recorded(ckpt, request):
-    return (*run_pipeline(ckpt, dtype=request.param), request.param)
+def recorded(ltx2_checkpoint, request):
+    return (*run_pipeline(ltx2_checkpoint, dtype=request.param), request.param)
 
 
-def test_prompts_bitwise(ckpt, recorded):
+def test_prompts_bitwise(ltx2_checkpoint, recorded):
     _, calls, _, _, dtype = recorded
-    tokenizer, text = load_text(ckpt, "cpu", dtype)
+    tokenizer, text = load_text(ltx2_checkpoint, "cpu", dtype)
     conds = encode_prompts(tokenizer, text, PROMPTS, TEXT_LEN)
     batch = collate_cond(conds, TEXT_STREAMS)
     for call in calls:
@@ -107,7 +98,7 @@ def test_schedule_and_timesteps_bitwise(recorded):
         ltx2_schedule(LTX2_SCHEDULER_CONFIG, 1, 64)
 
 
-def test_latents_pack_bitwise(ckpt):
+def test_latents_pack_bitwise(ltx2_checkpoint):
     noise = torch.randn(2, 16, 2, 2, 3)
     assert torch.equal(pack_latents(noise), LTX2Pipeline._pack_latents(noise, 1, 1))
     packed = pack_latents(noise)
@@ -141,9 +132,9 @@ def test_denoising_loop_bitwise(recorded):
     assert changed > 0  # the fp32 round trip is not an identity: skipping it would fail the step check
 
 
-def test_decoder_bitwise(ckpt, recorded):
+def test_decoder_bitwise(ltx2_checkpoint, recorded):
     _, _, stepped, out, dtype = recorded
-    frames = VideoDecoder(ckpt, "cpu", dtype).decode(stepped[-1], HEIGHT, WIDTH, FRAMES)
+    frames = VideoDecoder(ltx2_checkpoint, "cpu", dtype).decode(stepped[-1], HEIGHT, WIDTH, FRAMES)
     assert frames.shape == (len(PROMPTS), FRAMES, HEIGHT, WIDTH, 3) and frames.dtype == torch.uint8
     expected = torch.from_numpy((out.frames * 255).round().astype(np.uint8))  # numpy_to_pil's conversion
     assert len(np.unique(out.frames)) > 100  # a picture, not a constant
@@ -151,10 +142,10 @@ def test_decoder_bitwise(ckpt, recorded):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_train_forward_is_the_pipelines_isolated_pass(ckpt, dtype):
+def test_train_forward_is_the_pipelines_isolated_pass(ltx2_checkpoint, dtype):
     """With modality guidance on, the pipeline runs the transformer a second time with isolate_modalities=True and
     its real audio stream; train_forward (one placeholder audio token, no masks in cond) gives that very output."""
-    pipe, calls, _, _ = run_pipeline(ckpt, dtype=dtype, modality_scale=2.0, audio_modality_scale=2.0)
+    pipe, calls, _, _ = run_pipeline(ltx2_checkpoint, dtype=dtype, modality_scale=2.0, audio_modality_scale=2.0)
     isolated = [c for c in calls if c["isolate_modalities"]]
     assert len(isolated) == STEPS and isolated[0]["audio_hidden_states"].shape[1] > 1
     grid = latent_grid(HEIGHT, WIDTH, FRAMES)
@@ -209,7 +200,7 @@ EXPECTED_TARGETS = [f"transformer_blocks.{i}.{m}" for i in range(2) for m in (
     "attn2.to_out.0", "ff.net.0.proj", "ff.net.2")]
 
 
-def test_lora_targets_video_stream_only(tmp_path, ckpt):
+def test_lora_targets_video_stream_only(tmp_path, ltx2_checkpoint):
     model = build_transformer("tiny", 0)
     assert lora_target_names(model) == EXPECTED_TARGETS
     assert [n for n, _ in model.named_modules() if re.fullmatch(LORA_TARGET_REGEX, n)] == EXPECTED_TARGETS
@@ -227,7 +218,7 @@ def test_lora_targets_video_stream_only(tmp_path, ckpt):
     # as the trainer writes it: the adapter config as metadata, which load_lora_weights reads for alpha
     metadata = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=list))
     LTX2Pipeline.save_lora_weights(tmp_path, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata)
-    pipe = LTX2Pipeline.from_pretrained(ckpt)  # its transformer is build_transformer("tiny", 0)
+    pipe = LTX2Pipeline.from_pretrained(ltx2_checkpoint)  # its transformer is build_transformer("tiny", 0)
     pipe.load_lora_weights(tmp_path)
     (adapter,) = pipe.transformer.peft_config  # load_lora_weights names it
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=adapter)
