@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 class StepRecord:
     """Debug data of one denoising step (`record_snapshot=True`); fp32 unless noted."""
 
-    positive_output: torch.Tensor  # [B, S, C] latent dtype: the positive branch's model output
-    negative_output: torch.Tensor | None  # [B, S, C] latent dtype; None without CFG
-    guided_output: torch.Tensor  # [B, S, C] latent dtype: what the sampler stepped with
+    positive_output: torch.Tensor  # [B, S, C] model dtype: the positive branch's model output
+    negative_output: torch.Tensor | None  # [B, S, C] model dtype; None without CFG
+    # [B, S, C]: what the sampler stepped with (CFG, then the family's `model_output`: LTX-2.3's is fp32)
+    guided_output: torch.Tensor
     mean: torch.Tensor | None = None  # [B, S, C] the stochastic transition's mean; None for ODE steps
     std: torch.Tensor | None = None  # 0-dim, the transition's standard deviation
     noise: torch.Tensor | None = None  # [B, S, C] the standard normal draw

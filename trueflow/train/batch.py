@@ -75,8 +75,10 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
     pos, neg = cond("cond"), cond("negative_cond")
     cause = (f"whole-window pad to {pad_text_to} tokens" if pad_text_to is not None
              else "mixed prompt lengths in one micro-batch")
-    warn_if_masked(cond_mask(pos, streams) if cond_mask(pos, streams) is not None
-                   else None if neg is None else cond_mask(neg, streams), parity=parity, cause=cause)
+    mask = cond_mask(pos, streams)
+    if mask is None and neg is not None:
+        mask = cond_mask(neg, streams)
+    warn_if_masked(mask, parity=parity, cause=cause)
     return TrainBatch(
         rows=rows,
         latents=stack(lambda mg, i, t: mg.latents[t, i]),
