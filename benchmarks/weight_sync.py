@@ -17,10 +17,12 @@ Rows:
                     trainer packs bucket i+1 while the engine copies bucket i into its parameters), then the
                     engine's checksum of all its weights
     lora_unmerged   LoRA A/B of --rank on the attention + MLP targets (12 per block, the trainer's default), packed
-                    with `sync.buckets.pack` (512 MiB buckets) and installed as `engine_process` does
-                    (`engine.weights.update_lora`), kept unmerged (parity mode): after the warm-up, a same-shape
-                    update copied into the installed adapters; then the LoRA checksum. Two LoRAs alternate, so
-                    every sync changes the values and its checksum must change with them.
+                    as `EngineClient` packs them (`sync.buckets.BucketPacker`: 512 MiB buckets, refilled in place)
+                    and installed as `engine_process` does (`engine.lora_arena.update_lora_packed`), kept unmerged
+                    (parity mode): after the warm-up, a same-layout update checked off the buckets and copied into
+                    the arena the adapters view; then the LoRA checksum (off the arena's buffers). The trainer's
+                    checksum is `Trainer._sync`'s (`tensors_checksum` of the tensors it sent). Two LoRAs alternate,
+                    so every sync changes the values and its checksum must change with them.
     lora_merged     the same, merged into the weights in fp32 (the engine's fast mode)
 The first sync of each row is a warm-up (IPC handles opened, allocator grown, adapters first installed); the
 median and min-max of --repeats follow. Without the full row the engine's weights are seeded random values
@@ -43,11 +45,11 @@ import torch
 import torch.multiprocessing as mp
 
 from trueflow.models.qwen_image.presets import build_transformer, transformer_config
-from trueflow.engine.weights import lora_state, update_lora
+from trueflow.engine.lora_arena import lora_checksum, update_lora_packed
 from trueflow.models.qwen_image.transformer import build_model
 from trueflow.models.qwen_image.weights import _expected_tensors
-from trueflow.sync.buckets import Bucket, pack, unpack
-from trueflow.sync.checksum import buckets_checksum, tensors_checksum
+from trueflow.sync.buckets import Bucket, BucketPacker, pack, unpack
+from trueflow.sync.checksum import tensors_checksum
 from trueflow.models.qwen_image.family import FAMILY
 
 BF16 = torch.bfloat16
@@ -95,11 +97,11 @@ def engine_worker(config: dict, device: str, requests, replies) -> None:
                 value = tensors_checksum({n: p if rows is None else p[rows] for n, (p, rows) in targets.items()})
             elif op == "lora":
                 buckets, scale, merge_mode = payload
-                update_lora(model, unpack(buckets), scale, merge_mode)  # copies out of the buckets
+                update_lora_packed(model, buckets, scale, merge_mode)  # as `Engine.update_weights`: copies out
                 del buckets, payload
                 _sync(device)
                 t1 = time.perf_counter()
-                value = (tensors_checksum(lora_state(model)), t1 - t0)  # one transfer: waits for the kernels
+                value = (lora_checksum(model), t1 - t0)  # one transfer: waits for the kernels
             else:
                 raise ValueError(f"unknown request {op!r}")
             replies.put((value, time.perf_counter() - t0))
@@ -180,17 +182,18 @@ def sync_full(engine: EngineProcess, state: dict[str, torch.Tensor], plans: list
             "engine_checksum_s": checksum_s, "checksum": checksum}
 
 
-def sync_lora(engine: EngineProcess, lora: dict[str, torch.Tensor], merge_mode: str, device: str) -> dict:
+def sync_lora(engine: EngineProcess, packer: BucketPacker, lora: dict[str, torch.Tensor], merge_mode: str,
+              device: str) -> dict:
     """One sync, timed until the engine's checksum is confirmed: pack, send, the trainer's checksum of the buckets
     it sent (while the engine installs), the engine's install and checksum, the comparison."""
     _sync(device)
     t0 = time.perf_counter()
-    buckets = pack(lora)
+    buckets = packer.pack(lora)  # as `EngineClient.update_weights`: the same buffers, refilled
     _sync(device)
     pack_s = time.perf_counter() - t0
     engine.send("lora", (buckets, 1.0, merge_mode), buckets)
     t1 = time.perf_counter()
-    sent = buckets_checksum(buckets)  # what the trainer sent
+    sent = tensors_checksum(lora)  # what the trainer sent, as `Trainer._sync` computes it
     trainer_checksum_s = time.perf_counter() - t1
     (checksum, install_s), engine_s = engine.reply()
     confirmed = checksum == sent
@@ -290,7 +293,8 @@ def main() -> int:
         expected = [tensors_checksum(lora) for lora in loras]
         for mode in ("unmerged", "merged"):
             if f"lora_{mode}" in wanted:
-                rows.append(timed_rows(f"lora_{mode}", lambda i: sync_lora(engine, loras[i % 2], mode, device),
+                packer = BucketPacker()
+                rows.append(timed_rows(f"lora_{mode}", lambda i: sync_lora(engine, packer, loras[i % 2], mode, device),
                                        lambda i: expected[i % 2], nbytes, args.repeats, {"tensors": len(loras[0])}))
     finally:
         with open(args.out, "w") as f:

@@ -27,6 +27,7 @@ from ..collate import Cond
 from .. import loading
 from ..loading import CheckpointError
 from ..models import family_for_checkpoint
+from ..sync.buckets import Bucket, unpack
 from . import weights
 from .interface import RolloutRequest
 from .model_runner import ModelRunner, RolloutCancelled
@@ -89,9 +90,11 @@ class Engine:
         self.scheduler_config = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
 
     # -- weights -------------------------------------------------------------------------------------------
-    def update_lora(self, peft_state_dict: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> None:
-        """Replace the LoRA (PEFT-format tensors); merged or not as `engine.weights.resolve_lora_merge` decides."""
-        self.runner.update_lora(peft_state_dict, scale, merge_mode)
+    def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
+                    merge_mode: str | None = None) -> None:
+        """Replace the LoRA (PEFT-format tensors, or buckets of them as a sync sends them); merged or not as
+        `engine.weights.resolve_lora_merge` decides."""
+        self.runner.update_lora(state, scale, merge_mode)
 
     def lora_checksum(self) -> str:
         """Checksum of the installed LoRA read back from the engine's layers (`sync.checksum`); equal to the
@@ -109,10 +112,12 @@ class Engine:
         return self.runner.weights_checksum()
 
     # -- the engine interface (`interface.RolloutEngine`) ----------------------------------------------------
-    def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
+    def update_weights(self, state: dict[str, torch.Tensor] | list[Bucket], lora_scale: float | None = None,
                        merge_mode: str | None = None) -> str:
+        """The interface's update; `state` may also be buckets (`sync.buckets`), as an engine process receives
+        them: a LoRA then installs without unpacking (`lora_arena`). The sender's buffers are never kept."""
         if lora_scale is None:
-            self.load_weights(state)
+            self.load_weights(unpack(state) if isinstance(state, list) else state)
             return self.weights_checksum()
         self.update_lora(state, lora_scale, merge_mode)
         return self.lora_checksum()

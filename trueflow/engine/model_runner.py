@@ -16,8 +16,10 @@ from tqdm import tqdm
 from ..collate import Cond, collate_cond
 from ..layers.linear import Linear
 from ..models.spec import Grid, ModelFamily
+from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
 from . import weights
+from .lora_arena import as_buckets, lora_checksum, update_lora_packed
 from .cuda_graph import GraphedForward
 from .guidance import true_cfg
 from .sampling_params import SamplingParams
@@ -39,13 +41,18 @@ class ModelRunner:
         self.forward = GraphedForward(transformer, enabled=cuda_graphs and device.type == "cuda")
 
     # -- weights -------------------------------------------------------------------------------------------
-    def update_lora(self, peft_state_dict: dict[str, torch.Tensor], scale: float, merge_mode: str | None = None) -> None:
-        if getattr(self.transformer, "tp", None) is not None:  # a tensor-parallel rank takes its slice
+    def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
+                    merge_mode: str | None = None) -> None:
+        """Install a LoRA given as PEFT-format tensors or as buckets of them (`sync.buckets`). Packed, a same-layout
+        update takes the arena's fast path (`lora_arena`); a tensor-parallel rank takes its slice of the tensors."""
+        if getattr(self.transformer, "tp", None) is not None:
             from ..parallel.engine import update_lora_tp
 
-            update_lora_tp(self.transformer, peft_state_dict, scale, merge_mode)
+            update_lora_tp(self.transformer, unpack(state) if isinstance(state, list) else state, scale, merge_mode)
+        elif (buckets := state if isinstance(state, list) else as_buckets(state)) is not None:
+            update_lora_packed(self.transformer, buckets, scale, merge_mode)
         else:
-            weights.update_lora(self.transformer, peft_state_dict, scale, merge_mode)
+            weights.update_lora(self.transformer, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         if getattr(self.transformer, "tp", None) is not None:
@@ -54,7 +61,7 @@ class ModelRunner:
         self.family.engine.load_weights(self.transformer, state_dict)
 
     def lora_checksum(self) -> str:
-        return tensors_checksum(weights.lora_state(self.transformer))
+        return lora_checksum(self.transformer)
 
     def weights_checksum(self) -> str:
         tensors = dict(self.transformer.named_parameters())

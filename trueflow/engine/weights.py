@@ -71,15 +71,18 @@ def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scal
                     merge=resolve_lora_merge(model, merge_mode))
 
 
+def lora_slots(model: nn.Module) -> list[tuple[str, Linear, int]]:
+    """(diffusers module name, layer, slot) of every installed adapter, in module order."""
+    name_of = _family(model).engine.diffusers_module_name
+    return [(name_of(name, slot if mod.packed else None), mod, slot) for name, mod in model.named_modules()
+            if isinstance(mod, Linear) for slot, a in enumerate(mod.adapters) if a is not None]
+
+
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The installed LoRA (merged or not) as PEFT-format tensors, under diffusers' module names: what a weight
     sync sent, read back from the engine's layers (the engine side of the sync checksum)."""
-    name_of = _family(model).engine.diffusers_module_name
     out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
-            for slot, a in enumerate(mod.adapters):
-                if a is not None:
-                    prefix = name_of(name, slot if mod.packed else None)
-                    out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
+    for prefix, mod, slot in lora_slots(model):
+        a = mod.adapters[slot]
+        out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
     return out

@@ -95,6 +95,12 @@ class Linear(nn.Module):
                 merged[self._slot(i)] += a.scale * (a.B.float() @ a.A.float())
         self.weight.copy_(merged.to(self.weight.dtype))
 
+    def hold_lora(self, adapters: list[LoraAdapter | None]) -> None:
+        """Keep `adapters` unmerged as they are, without copying (views into an engine-held arena,
+        `engine.lora_arena`): a new list, so captured CUDA graphs of the old tensors are dropped once."""
+        self.clear_lora()
+        self.adapters = list(adapters)
+
     def _fits_in_place(self, adapters: list[LoraAdapter | None]) -> bool:
         def same(a: torch.Tensor, b: torch.Tensor) -> bool:
             return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

@@ -28,7 +28,7 @@ import ray
 import torch
 
 from ..engine.interface import EngineWrapper
-from ..sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, pack, unpack
+from ..sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPacker
 from ..sync.checksum import tensors_checksum
 
 if TYPE_CHECKING:
@@ -118,9 +118,10 @@ class EngineActor:
         from ..engine.wire import load_handles
 
         buckets, fields = load_handles(payload)
-        state = {k: v.clone() for k, v in unpack(buckets).items()}
-        del buckets
-        return self.engine.update_weights(state, fields["lora_scale"], fields["merge_mode"])
+        try:  # the engine copies out of the buffers, never keeps them
+            return self.engine.update_weights(buckets, fields["lora_scale"], fields["merge_mode"])
+        finally:
+            del buckets
 
     def join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         self.group = weights_group(host, port, rank, size, backend, ray.util.get_node_ip_address())
@@ -132,7 +133,7 @@ class EngineActor:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.engine.device)
             self.group.broadcast(buffer, 0).wait()
             buckets.append(Bucket(buffer, manifest))
-        return self.engine.update_weights(unpack(buckets), lora_scale, merge_mode)
+        return self.engine.update_weights(buckets, lora_scale, merge_mode)
 
     def checksum(self) -> str:
         return self.engine.checksum()
@@ -232,6 +233,7 @@ class RayEngine:
 
     def __init__(self, actor, name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.actor, self.name, self.bucket_bytes = actor, name, bucket_bytes
+        self.packer = BucketPacker(bucket_bytes)  # the LoRA's buffers, refilled every sync
 
     def _get(self, ref):
         return answer(ref, self.name)
@@ -243,7 +245,7 @@ class RayEngine:
                        merge_mode: str | None = None) -> str:
         from ..engine.wire import dump_handles
 
-        buckets = pack(state, self.bucket_bytes)
+        buckets = self.packer.pack(state)
         payload = dump_handles(buckets, lora_scale=lora_scale, merge_mode=merge_mode)
         return self._get(self.actor.update_ipc.remote(payload))  # `buckets` lives until the engine answered
 
@@ -271,7 +273,7 @@ class BroadcastEngine(RayEngine):
                        merge_mode: str | None = None) -> str:
         if self.group is None:
             return self._confirm(state, lora_scale)
-        buckets = pack(state, self.bucket_bytes)
+        buckets = self.packer.pack(state)
         layout = [(b.manifest, b.buffer.numel()) for b in buckets]
         refs = [(name, actor.receive.remote(layout, lora_scale, merge_mode)) for name, actor in self.engines]
         for b in buckets:

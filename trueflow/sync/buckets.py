@@ -63,11 +63,35 @@ def _pack_one(tensors: dict[str, torch.Tensor], names: list[str]) -> Bucket:
     return Bucket(torch.cat(parts), manifest)
 
 
+class BucketPacker:
+    """`pack` for a sender that sends tensors of one layout again and again (a LoRA every sync): the buffers are
+    kept and refilled by one batched copy (`torch._foreach_copy_`) instead of being allocated and concatenated
+    tensor by tensor. A new layout (names, dtypes, shapes, device) packs afresh. The buffers are reused, so the
+    sender must have the receiver's answer (which copies out of them) before it packs again."""
+
+    def __init__(self, max_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.max_bytes = max_bytes
+        self.key: list | None = None
+        self.buckets: list[Bucket] = []
+        self.views: list[torch.Tensor] = []
+
+    def pack(self, tensors: dict[str, torch.Tensor]) -> list[Bucket]:
+        names = sorted(tensors)
+        key = [(n, tensors[n].dtype, tensors[n].shape, tensors[n].device) for n in names]
+        if key != self.key:
+            self.buckets = pack(tensors, self.max_bytes)
+            views = unpack(self.buckets)
+            self.key, self.views = key, [views[n] for n in names]
+        else:
+            torch._foreach_copy_(self.views, [tensors[n].detach() for n in names])
+        return self.buckets
+
+
 def unpack(buckets: list[Bucket]) -> dict[str, torch.Tensor]:
     """Views into the buckets' buffers (no copy): the receiver copies them into place, then drops the buckets."""
     out = {}
     for b in buckets:
         for name, dtype, shape, off in b.manifest:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
             out[name] = b.buffer[off:off + nbytes].view(dtype).view(shape)
     return out

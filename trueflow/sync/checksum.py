@@ -103,7 +103,7 @@ def buckets_checksum(buckets: list[Bucket], extra: str = "") -> str:
     in name order, each at the next aligned offset, as `pack` lays them out (no concatenation of tensors)."""
     manifest = [(n, dtype, tuple(shape)) for b in buckets for n, dtype, shape, _ in b.manifest]
     names = [n for n, _, _ in manifest]
-    if names != sorted(set(names)) or not all(_packed_in_order(b) for b in buckets):
+    if names != sorted(set(names)) or not all(packed_in_order(b) for b in buckets):
         return tensors_checksum(unpack(buckets), extra)
     groups, base = [], 0
     for b in buckets:
@@ -113,10 +113,10 @@ def buckets_checksum(buckets: list[Bucket], extra: str = "") -> str:
     return _digest(manifest, groups, extra)
 
 
-def _packed_in_order(bucket: Bucket) -> bool:
+def packed_in_order(bucket: Bucket) -> bool:
     offset = 0
     for _, dtype, shape, off in bucket.manifest:
         if off != offset:
             return False
-        offset += aligned(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+        offset += aligned(torch.Size(shape).numel() * dtype.itemsize)
     return bucket.buffer.numel() == offset and bucket.buffer.dtype == torch.uint8

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import signal
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
 
 from .. import loading
+from ..engine.model_runner import RolloutCancelled
 from ..models import family_for_checkpoint
 from ..rewards.base import RewardError
 from .checksum import tensors_checksum
-from .buckets import DEFAULT_BUCKET_BYTES, pack, unpack
+from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
 
 if TYPE_CHECKING:
     from ..engine.interface import RolloutRequest
@@ -50,10 +53,28 @@ def to_cpu(obj):
     return obj
 
 
+def _stop_check(stop, device: torch.device | str, tp: bool) -> Callable[[], bool]:
+    """A rollout's `should_stop` in an engine process: the client's `stop` event; under TP agreed by every rank at
+    every step (the max over ranks), so that all stop at the same step and none waits for ever in a collective."""
+    if not tp:
+        return stop.is_set
+
+    def agreed() -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(stop.is_set())], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    return agreed
+
+
 def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replies,
-           tp: tuple[int, int, int] | None = None) -> None:
+           tp: tuple[int, int, int] | None = None, stop=None) -> None:
     """One engine process; with `tp` = (rank, size, port) one rank of a tensor-parallel engine (a process group on
-    loopback; on CUDA the rank takes GPU `rank`)."""
+    loopback; on CUDA the rank takes GPU `rank`). `stop`: the client's event that stops a rollout."""
+    # Its client ends it (close, or kill): a Ctrl-C, which the terminal sends to every process, is the client's.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On CPU the engine must use the trainer's intra-op thread count (parity condition 9, docs/patch-group.md).
     torch.set_num_threads(threads)
     group = None
@@ -84,7 +105,7 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
         replies.put(("failed", traceback.format_exc()))
         return
     try:
-        _requests(engine, requests, replies)
+        _requests(engine, requests, replies, _stop_check(stop, args["device"], group is not None))
     finally:
         if group is not None:
             import torch.distributed as dist
@@ -92,7 +113,7 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
             dist.destroy_process_group()
 
 
-def _requests(engine, requests, replies) -> None:
+def _requests(engine, requests, replies, should_stop: Callable[[], bool]) -> None:
     while True:
         op, payload = requests.get()
         try:
@@ -100,11 +121,13 @@ def _requests(engine, requests, replies) -> None:
                 replies.put(("ok", None))
                 return
             if op == "rollout":
-                value = to_cpu(engine.rollout(*payload))
+                request, stoppable = payload
+                value = to_cpu(engine.rollout(request, should_stop=should_stop) if stoppable else
+                               engine.rollout(request))
             elif op == "update_weights":
                 buckets, scale, merge_mode = payload
-                # Clone out of the sender's buffers: they are the trainer's, freed once it has our answer.
-                value = engine.update_weights({k: v.clone() for k, v in unpack(buckets).items()}, scale, merge_mode)
+                # The sender's buffers, freed once it has our answer: the engine copies out of them, never keeps them.
+                value = engine.update_weights(buckets, scale, merge_mode)
                 del buckets
             elif op == "checksum":
                 value = engine.checksum()
@@ -115,6 +138,8 @@ def _requests(engine, requests, replies) -> None:
             replies.put(("ok", value))
         except RewardError as e:  # the user's reward failed: the trainer raises it as the same RewardError
             replies.put(("reward_failed", (e.reward, e.prompts, e.reason)))
+        except RolloutCancelled as e:  # its client's should_stop said so
+            replies.put(("cancelled", str(e)))
         except ValueError as e:  # the request's fault: its reason is the message
             replies.put(("refused", str(e)))
         except Exception:  # noqa: BLE001 - the engine keeps serving; the trainer raises
@@ -139,6 +164,7 @@ class EngineClient:
         if tp < 1:
             raise ValueError(f"--tp must be >= 1, got {tp}")
         self.tp, self.dtype, self.bucket_bytes = tp, dtype, bucket_bytes
+        self.packer = BucketPacker(bucket_bytes)  # the LoRA's buffers, refilled every sync
         self.family = family_for_checkpoint(checkpoint, family)
         if tp > 1:
             from ..parallel.comm import free_port
@@ -148,25 +174,28 @@ class EngineClient:
             tp_gate(tp, patch_group, None, matched=False)
             port = free_port()
         ctx = mp.get_context("spawn")
+        self.stop, self.scored = ctx.Event(), reward is not None  # `stop`: set to stop the running rollout
         self.requests = [ctx.Queue() for _ in range(tp)]
         self.replies = [ctx.Queue() for _ in range(tp)]
         args = dict(checkpoint=checkpoint, patch_group=patch_group, disabled_patches=tuple(disabled_patches),
                     device=device, dtype=dtype, family=family)
         self.processes = [ctx.Process(target=_serve, daemon=True, args=(
             args, threads or torch.get_num_threads(), reward if r == 0 else None, self.requests[r], self.replies[r],
-            (r, tp, port) if tp > 1 else None)) for r in range(tp)]
+            (r, tp, port) if tp > 1 else None, self.stop)) for r in range(tp)]
         for p in self.processes:
             p.start()
         self._replies()
         self.expected: list[str] | None = None  # each rank's LoRA slice checksum, after a confirmed update
         self.confirmed: str | None = None  # the LoRA's checksum once every slice was confirmed
 
-    def _reply(self, r: int):
+    def _reply(self, r: int, should_stop: Callable[[], bool] | None = None):
         while True:
             try:
-                status, value = self.replies[r].get(timeout=1.0)
+                status, value = self.replies[r].get(timeout=0.2)
                 break
             except queue.Empty:
+                if should_stop is not None and should_stop():
+                    self.stop.set()
                 # Any rank that died (its peers would wait in their next collective for ever)
                 for i, p in enumerate(self.processes):
                     if not p.is_alive():
@@ -176,39 +205,48 @@ class EngineClient:
             raise EngineRequestRefused(value)
         if status == "reward_failed":
             raise RewardError(*value)
+        if status == "cancelled":
+            raise RolloutCancelled(value)
         if status != "ok":
             raise EngineProcessError(f"the engine process failed:\n{value}")
         return value
 
-    def _replies(self) -> list:
+    def _replies(self, should_stop: Callable[[], bool] | None = None) -> list:
         """Every rank's answer, rank 0's first; the first failure raises once all have answered."""
         values, error = [], None
         for r in range(self.tp):
             try:
-                values.append(self._reply(r))
-            except (EngineProcessError, RewardError) as e:
+                values.append(self._reply(r, should_stop))
+            except (EngineProcessError, RewardError, RolloutCancelled) as e:
                 error = error or e
         if error is not None:
             raise error
         return values
 
-    def _call(self, op: str, *payload, others: tuple | None = None) -> list:
+    def _call(self, op: str, *payload, others: tuple | None = None,
+              should_stop: Callable[[], bool] | None = None) -> list:
         """Send `op` to every rank (the other ranks get `others` as the payload, if given) and collect the answers."""
         for r, q in enumerate(self.requests):
             q.put((op, payload if r == 0 or others is None else others))
-        return self._replies()
+        return self._replies(should_stop)
 
-    def rollout(self, request: RolloutRequest) -> Rollout:
+    def rollout(self, request: RolloutRequest, should_stop: Callable[[], bool] | None = None) -> Rollout:
+        """`should_stop`, as `Engine.rollout`'s (asked every 0.2 s while the ranks run): a true answer stops every rank
+        at its next denoising step, and RolloutCancelled is raised."""
+        if should_stop is not None and self.scored:
+            raise ValueError("a rollout of an engine process that scores its rollouts cannot be stopped")
+        self.stop.clear()
+        stoppable = should_stop is not None
         # The other ranks run the same forwards; only rank 0 decodes and records.
-        return self._call("rollout", request, others=(dataclasses.replace(request, decode=False,
-                                                                          record_snapshot=False),))[0]
+        return self._call("rollout", request, stoppable, should_stop=should_stop, others=(
+            dataclasses.replace(request, decode=False, record_snapshot=False), stoppable))[0]
 
     def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
                        merge_mode: str | None = None) -> str:
         """Send the weights as buckets of IPC handles; returns the engine's checksum once the update is in place.
         A bad update (names, shapes, values in the engine's dtype) raises EngineRequestRefused, a ValueError,
         and leaves the engine's weights as they were."""
-        buckets = pack(state, self.bucket_bytes)
+        buckets = self.packer.pack(state)
         for b in buckets:
             if b.buffer.device.type == "cpu":
                 b.buffer.share_memory_()
