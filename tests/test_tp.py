@@ -116,8 +116,9 @@ def test_a_shard_that_does_not_divide_is_refused(tiny_checkpoint, capsys):
     assert rc == 2 and err.count("\n") == 1 and "--resolution 50 must be a multiple of 16" in err, err
     with pytest.raises(ValueError, match="must equal --tp"):
         run_tp_probe(ProbeSpec(checkpoint=str(tiny_checkpoint)), 2, train_tp_match=4)
+    planless = dataclasses.replace(FAMILY, engine=dataclasses.replace(FAMILY.engine, tp_plan=None))
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
-        tp_engine.tp_plan(get_family("ltx2"), 2)
+        tp_engine.tp_plan(planless, 2)
     model = FAMILY.presets.build_transformer(FAMILY.presets.transformer_config("tiny"), seed=0)
     with pytest.raises(ValueError, match="--tp 3 does not divide"):
         match_tp(model, PLAN, 3)

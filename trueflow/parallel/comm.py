@@ -1,4 +1,5 @@
-"""The tensor-parallel process group and its one collective: a sum across ranks in fixed rank order.
+"""The tensor-parallel process group and its two collectives: a sum across ranks in fixed rank order, and an
+all-gather that concatenates the ranks' shards (bits moved, no arithmetic).
 
 An all_reduce sums in whatever order its algorithm picks (ring, tree, chunked), which a train side cannot
 reproduce. Here every rank gathers all partial outputs and adds them itself, rank 0 first: `((p0 + p1) + p2) + ...`
@@ -55,3 +56,12 @@ def rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     for p in parts[1:]:
         out = out + p
     return out
+
+
+def gather_cat(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """Every rank's x concatenated along `dim` in rank order (the same tensor on every rank)."""
+    tp.collectives += 1
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x, group=tp.group)
+    return torch.cat(parts, dim=dim)

@@ -1,11 +1,11 @@
 """A family's shard plan applied to a built engine model (torchtitan-style: the model code is unchanged; its planned
-`Linear` layers are swapped for sharded ones), weights and LoRA loaded sharded from the same diffusers names, and
-each rank's LoRA update confirmed by checksum.
+`Linear` layers are swapped for sharded ones, its gathered modules get input/output hooks), weights and LoRA loaded
+sharded from the same diffusers names, and each rank's LoRA update confirmed by checksum.
 
-The attention needs no change where it unflattens q/k/v by head dimension (Qwen-Image's): a rank whose q/k/v
-projections hold whole heads attends over its own heads, and its output is exactly the input columns its
-row-parallel `to_out` holds. (An attention that unflattens by head count, or normalises across heads, as LTX-2.3's
-does, must change before its family can declare a plan.)
+A rank's attention holds whole heads: H/N of them, in its q/k/v projections' rows. Where the attention unflattens
+q/k/v by head dimension (Qwen-Image's) it needs nothing more; where it counts its heads (`heads`, LTX-2.3's) it is
+told the rank's count. A module that computes across heads (LTX-2.3's q/k RMSNorm over all heads, its attention gate)
+is a plan's gathered module: its inputs all-gathered, run whole, its output sliced back to the rank's heads.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from ..models import family_for_config
 from ..models.spec import ModelFamily
 from ..patches import apply_patch_group
 from ..sync.checksum import tensors_checksum
-from .comm import TPGroup
+from .comm import TPGroup, gather_cat
 from .linear import replace_module, sharded
-from .plan import TPPlan, features_problem, shard_state_dict, shard_tensor
+from .plan import COLUMN, TPPlan, features_problem, shard_state_dict, shard_tensor
 
 
 def tp_plan(family: ModelFamily, tp: int) -> TPPlan:
@@ -36,8 +36,9 @@ def tp_plan(family: ModelFamily, tp: int) -> TPPlan:
 
 
 def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
-    """Swap every planned `Linear` of a built engine model for its sharded layer. Checked first, applied only if
-    every layer divides. Returns the swapped engine module names."""
+    """Swap every planned `Linear` of a built engine model for its sharded layer, hook its gathered modules and give
+    its split attentions their share of the heads. Checked first, applied only if every layer divides. Returns the
+    swapped engine module names."""
     plan = tp_plan(family, tp.size)
     name_of = family.engine.diffusers_module_name
     swaps, problems, seen = [], [], []
@@ -57,11 +58,37 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
             problems.append(problem)
         swaps.append((name, mod, kind))
     problems += [f"the {family.name} TP plan's pattern {p!r} names no linear layer" for p in plan.unmatched(seen)]
+    problems += [f"the {family.name} TP plan's gathered pattern {p!r} names no module"
+                 for p in plan.unmatched([name_of(name) for name, _ in model.named_modules()], plan.gathered)]
     if problems:
         raise ValueError("; ".join(problems))
     for name, mod, kind in swaps:
         replace_module(model, name, sharded(mod, kind, tp))
+    for name, mod in ((name_of(n), m) for n, m in model.named_modules() if n):
+        if plan.gathers(name):
+            gather_heads(mod, tp)
+        # An attention that counts its heads (to unflatten v, or for a per-head mask) holds the rank's H/N.
+        if isinstance(getattr(mod, "heads", None), int) and plan.kind(f"{name}.to_q") == COLUMN:
+            mod.heads //= tp.size
     return [name for name, _, _ in swaps]
+
+
+def gather_heads(module: nn.Module, tp: TPGroup) -> None:
+    """Run `module` on every rank's heads: its tensor inputs all-gathered along dim 2 in rank order (the heads of
+    [B, S, H·D] or [B, S, H, ...]; other arguments, e.g. RoPE tables for all heads, pass as they are), the module
+    whole, then its output's dim 2 cut to this rank's heads, contiguous as a rank's own tensor is. The module then
+    computes on exactly the values, shapes and layouts the train side's unsharded module does."""
+    def gather(x):
+        return gather_cat(x, tp, dim=2) if isinstance(x, torch.Tensor) else x
+
+    def inputs(_mod, args, kwargs):
+        return tuple(map(gather, args)), {k: gather(v) for k, v in kwargs.items()}
+
+    def output(_mod, _args, out):
+        return out.chunk(tp.size, dim=2)[tp.rank].contiguous()
+
+    module.register_forward_pre_hook(inputs, with_kwargs=True)
+    module.register_forward_hook(output)
 
 
 def build_tp_engine_transformer(config: dict, rank_state_dict: dict[str, torch.Tensor], tp: TPGroup, device="cpu",

@@ -81,9 +81,14 @@ def _head_groups(processor, tp: int):
             dispatch = module.dispatch_attention_fn
 
             def grouped(query, key, value, *a, **kw):  # [B, S, H, D]: heads on dim 2, as the processor passes them
-                groups = zip(*(t.chunk(tp, dim=2) for t in (query, key, value)))
-                return torch.cat([dispatch(q.contiguous(), k.contiguous(), v.contiguous(), *a, **kw)
-                                  for q, k, v in groups], dim=2)
+                masks = [kw.get("attn_mask")] * tp
+                if masks[0] is not None and masks[0].dim() == 4 and masks[0].shape[1] == query.shape[2] > 1:
+                    # a per-head mask [B, H, ., L] (LTX-2.3's text bias): each group its heads' rows, as a rank's own
+                    masks = [m.contiguous() for m in masks[0].chunk(tp, dim=1)]
+                groups = zip(*(t.chunk(tp, dim=2) for t in (query, key, value)), masks)
+                return torch.cat([dispatch(q.contiguous(), k.contiguous(), v.contiguous(), *a,
+                                           **(kw | ({} if m is None else {"attn_mask": m})))
+                                  for q, k, v, m in groups], dim=2)
 
             module.dispatch_attention_fn = grouped
             try:

@@ -10,6 +10,7 @@ connectors, the video VAE, diffusers' schedule and reference model, the checkpoi
 from __future__ import annotations
 
 from ...layers.linear import Linear
+from ...parallel.plan import TPPlan
 from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
 from . import patches, weights
 from .latents import LATENT_DTYPE, PIXELS_PER_TOKEN, SIZE_REASON, latent_grid, noise_shape, pack_latents
@@ -36,6 +37,18 @@ FAMILY = ModelFamily(
         # embedding returns viewed shapes: both are compared through their consumers.
         comparable_modules=(Linear, SelfAttention, CrossAttention, FeedForward),
         attention_backend=lambda m: m.transformer_blocks[0].attn1.backend if len(m.transformer_blocks) else "-",
+        # Megatron's split, per block: both attentions' q/k/v and per-head gate logits by heads (the text attention's
+        # k/v from the caption stream), the FFN's first layer by columns; their consumers (the output projections,
+        # the FFN's second layer) by rows, one rank-ordered sum each. What reads every head at once runs whole on
+        # the gathered heads, as the train side computes it: the q/k RMSNorm across heads (with the RoPE after it)
+        # and the gate `out·2σ(logits)` (inline in diffusers' processor; the engine's `gate` module). Modulation,
+        # the other norms, embedders and the output projection are replicated.
+        tp_plan=TPPlan(
+            column=(r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_gate_logits)",
+                    r"transformer_blocks\.\d+\.ff\.net\.0\.proj"),
+            row=(r"transformer_blocks\.\d+\.attn[12]\.to_out\.0", r"transformer_blocks\.\d+\.ff\.net\.2"),
+            heads="num_attention_heads",
+            gathered=(r"transformer_blocks\.\d+\.attn[12]\.(norm_q|norm_k|gate)",)),
     ),
     patch_groups={"ltx": PatchGroupSpec(patches.GROUP, patches.make_group, patches.TRAIN_ATTENTION_KERNELS)},
     pipeline=PipelineSide(

@@ -451,10 +451,12 @@ class LTX2Transformer(nn.Module):
         """The text attention's mask. Fast: None when every token is valid (the collate's None: no mask for the
         kernel to read), else a bool key mask [B, 1, 1, L]. With `text_mask_bias` (the pipeline's way,
         `patches.py`): the additive bias diffusers makes of the mask, `(1 - m)·-10000` in the model dtype, repeated
-        per head [B, H, 1, L], from an all-ones mask when none is given (the pipeline always passes one)."""
+        per head of the text attention that reads it [B, H, 1, L], from an all-ones mask when none is given (the
+        pipeline always passes one)."""
         if not self.text_mask_bias:
             return None if mask is None else mask.bool()[:, None, None, :]
-        heads = self.config.num_attention_heads
+        blocks = self.transformer_blocks
+        heads = blocks[0].attn2.heads if len(blocks) else self.config.num_attention_heads
         m = torch.ones(batch, text_len, device=device, dtype=dtype) if mask is None else mask
         bias = ((1 - m.to(dtype)) * -10000.0).unsqueeze(1)
         return bias.repeat_interleave(heads, dim=0).view(batch, heads, -1, text_len)
