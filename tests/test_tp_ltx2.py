@@ -2,8 +2,8 @@
 attentions (self- and text cross-attention) and the FFN, and runs what reads every head at once (the q/k RMSNorm
 across heads, the attention gate) on the gathered heads. The acceptance commands (the TP gate within the
 `--patch-group none` bound; bitwise with the matched train side, collectives counted), each rank holding 1/N of
-every sharded tensor, the failing side (one row-parallel layer left unmatched), the matched train side's head
-groups with LTX's per-head text mask, and the refusals."""
+every sharded tensor, the failing side (one row-parallel layer left unmatched), a TP-matched training run (0.0 at
+every step), the matched train side's head groups with LTX's per-head text mask, and the refusals."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -127,6 +128,27 @@ def test_each_rank_holds_its_slice_and_one_unmatched_layer_breaks_the_bits(ltx2_
     # The failing side: the same matched train side with one layer (block 0's text attention output projection)
     # left as one unsharded GEMM is no longer the engine's sum.
     assert not got["one_unmatched"][0] and got["one_unmatched"][1] > 0, got
+
+
+def test_train_with_the_matched_train_side_is_bitwise(ltx2_checkpoint, tmp_path):
+    """`train --engine-process --tp 2 --train-tp-match 2` on LTX-2.3: the LoRA trains through the matched diffusers
+    model and the sharded engine rolls out with each rank's slice, 0.0 at every step, no TP parity warning."""
+    from trueflow.train.config import ParityConditionWarning, TrainConfig
+    from trueflow.train.metrics import read_metrics
+    from trueflow.train.run import run_training
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(ltx2_checkpoint), num_frames=9, fps=12.0,
+                      resolution=64, steps=3, num_sde_steps=1, cfg_scale=1.0, num_rollouts=2, rollout_batch_size=2,
+                      n_samples_per_prompt=4, rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=0,
+                      engine_process=True, tp=TP, train_tp_match=TP)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParityConditionWarning)
+        run_training(cfg)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["model_output_max_abs_diff"] == 0.0 and r["log_prob_max_abs_diff"] == 0.0, r
+        assert r["lora_update_norm"] > 0 and r["checksums_equal"], r
 
 
 # -- the matched train side in one process -------------------------------------------------------------------------
