@@ -30,7 +30,7 @@ from .probe import ParityProbe, ProbeResult, ProbeSpec
 class TPProbeResult(ProbeResult):
     tp: int = 1
     train_tp_match: int | None = None
-    collectives_per_forward: int = 0  # rank-ordered sums one engine forward issued (rank 0's count)
+    collectives_per_forward: int = 0  # rank-ordered sums and all-gathers one engine forward issued (rank 0's count)
     rank_lora_checksums: list[str] = field(default_factory=list)  # each rank's LoRA, read back, as confirmed
 
 
