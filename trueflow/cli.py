@@ -299,6 +299,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "trainer's for bitwise parity (default: torch's default)")
     p.add_argument("--weights-root", default=None, metavar="DIR", help="folder whose safetensors files and "
                    "checkpoints weight updates may name by path (default: none; path updates are refused)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each (on CUDA "
+                   "rank r on GPU r; docs/tensor-parallel.md; default: 1, in this process)")
     # The defaults are `engine.server.Limits`' (a test keeps them equal; importing it here would load torch).
     for flags, dest, kind, default, what in [
             (("--max-steps",), "max_steps", int, 100, "most denoising steps per sample"),
@@ -325,12 +327,20 @@ def _run_serve(a: argparse.Namespace) -> int:
                     a.request_timeout)  # checked before the engine loads
     if a.weights_root is not None and not os.path.isdir(a.weights_root):
         raise FileNotFoundError(f"--weights-root {a.weights_root}: no such folder")
+    if a.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {a.tp}")
+    if a.tp > 1 and a.device.startswith("cuda"):  # rank r takes GPU r
+        if a.device != "cuda":
+            raise ValueError(f"--tp {a.tp} takes --device cuda (rank r runs on GPU r), not --device {a.device}: "
+                             f"choose the GPUs with CUDA_VISIBLE_DEVICES")
+        if torch.cuda.device_count() < a.tp:
+            raise ValueError(f"--tp {a.tp} needs {a.tp} GPUs, one per rank; {torch.cuda.device_count()} visible")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     # --seed: the seed of OpenAI-style requests that name none (rollout requests always carry their own)
     serve(a.checkpoint, host=a.host, port=a.port, patch_group=a.patch_group, disabled_patches=tuple(a.disable_patch),
           device=a.device, dtype=torch_dtype(a.dtype), limits=limits, default_seed=a.seed,
-          weights_root=a.weights_root)
+          weights_root=a.weights_root, tp=a.tp)
     return 0
 
 

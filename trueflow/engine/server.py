@@ -10,6 +10,10 @@ result is bitwise the same however busy the server is. Parsing, encoding and wei
 
 Every request's work is bounded before it reaches the worker (`Limits`), and a running rollout stops at its next
 denoising step when its client leaves, its time is up, or the server shuts down.
+
+The app holds its engine through the engine interface (`interface.RolloutEngine`, whose `rollout` also takes
+`should_stop`): an in-process `Engine`, or with `--tp N` a tensor-parallel `sync.engine_process.EngineClient` over N
+processes (docs/tensor-parallel.md), which the server ends before it exits.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ipaddress
 import json
 import logging
 import math
+import pickletools
 import queue
 import re
 import threading
@@ -45,10 +50,11 @@ from starlette.exceptions import HTTPException
 
 from ..http import MSGPACK
 from ..loading import read_transformer_state_dict, transformer_dir
+from ..models import get_family
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, pack, unpack
 from . import wire
 from .engine import Engine, RolloutCancelled, SamplingParams
-from .interface import RolloutRequest
+from .interface import RolloutEngine, RolloutRequest
 from .sampling_params import TOKENIZER_MAX_LENGTH, check_family_limits
 from .trajectory import Rollout
 
@@ -130,10 +136,13 @@ class Limits:
 
 
 class _TokenCounter:
-    """Tokens of prompts, by a tokenizer of the server's own (the engine's is used by its thread)."""
+    """Tokens of prompts, by a tokenizer of the server's own (the engine's is its thread's, or another process's):
+    the class the checkpoint's tokenizer config names, as the family's text loader reads it."""
 
-    def __init__(self, engine: Engine):
-        self._tokenizer = type(engine.tokenizer).from_pretrained(Path(engine.checkpoint) / "tokenizer")
+    def __init__(self, checkpoint: str):
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(Path(checkpoint) / "tokenizer")
         self._lock = threading.Lock()
 
     def check(self, limits: Limits, prompts: list[str], negative_prompt: str) -> None:
@@ -181,7 +190,8 @@ class Worker:
         self.jobs: list[_Job] = []  # waiting or running, in arrival order
         self.running: _Job | None = None
         self.closed = False
-        threading.Thread(target=self._loop, daemon=True, name="engine").start()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="engine")
+        self.thread.start()
 
     @property
     def depth(self) -> int:
@@ -471,9 +481,21 @@ def _check_weights(state: dict[str, torch.Tensor]) -> None:
         raise RequestError("weights refused, nothing applied: " + "; ".join(problems))
 
 
+def _names_cuda_tensors(payload: bytes) -> bool:
+    """Whether an IPC payload rebuilds CUDA tensors: its pickle names torch's CUDA rebuild function (read from the
+    opcodes; nothing is unpickled, so no handle is opened). A malformed payload says no: `load_handles` refuses it."""
+    try:
+        return any(isinstance(arg, str) and arg.rsplit(" ", 1)[-1] == "rebuild_cuda_tensor"
+                   for _op, arg, _pos in pickletools.genops(payload))
+    except Exception:  # noqa: BLE001 - not a pickle
+        return False
+
+
 async def _weights_request(request: Request, model: type[_M], by_path: type[_M], folders: bool,
-                           root: Path | None) -> tuple[dict[str, torch.Tensor], _M]:
-    """(tensors, other fields) of a weight update, from a safetensors path (JSON) or IPC handles, validated."""
+                           root: Path | None, tp: int = 1) -> tuple[dict[str, torch.Tensor], _M]:
+    """(tensors, other fields) of a weight update, from a safetensors path (JSON) or IPC handles, validated. A
+    tensor-parallel engine (`tp` > 1) takes CPU handles only: it forwards the update to its ranks' processes from
+    this one, which opens no GPU memory."""
     kind = request.headers.get("content-type", "").split(";")[0].strip()
     if kind == "application/json":
         body = _body(await _read_body(request, WEIGHT_JSON_BYTES), "JSON")
@@ -483,8 +505,14 @@ async def _weights_request(request: Request, model: type[_M], by_path: type[_M],
         if not _is_loopback(request.client.host if request.client else None):
             raise RequestError("IPC handles are taken from loopback clients only: the payload is a pickle, and "
                                "handles only open on the sender's machine", 403)
+        payload = await _read_body(request, IPC_PAYLOAD_BYTES)
+        if tp > 1 and _names_cuda_tensors(payload):
+            raise RequestError(f"this server's engine is tensor-parallel (--tp {tp}, a process per rank), and it takes "
+                               f"IPC weight updates from CPU tensors (shared memory) only: send the tensors moved to "
+                               f"the CPU (push_lora(url, {{k: v.cpu() for k, v in state.items()}}, scale)), or a "
+                               f"path under its --weights-root")
         try:
-            buckets, rest = await asyncio.to_thread(wire.load_handles, await _read_body(request, IPC_PAYLOAD_BYTES))
+            buckets, rest = await asyncio.to_thread(wire.load_handles, payload)
         except ValueError as e:
             raise RequestError(str(e)) from e
         fields_, state = _validate(model, rest), unpack(buckets)
@@ -515,16 +543,21 @@ def _error_body(path: str, message: str, status: int, param: str | None = None, 
                       "param": _OPENAI_PARAM.get(param, param), "code": code}}
 
 
-def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
-               weights_root: str | Path | None = None) -> FastAPI:
-    """The server of `engine`. `limits`: what one request may ask; `default_seed`: the seed of OpenAI-style
-    requests that name none; `weights_root`: the folder path-based weight updates may read (None: none)."""
+def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: int = 0,
+               weights_root: str | Path | None = None, threads: int | None = None) -> FastAPI:
+    """The server of `engine`: an engine interface whose `rollout` takes `should_stop` (an `Engine`, or an
+    `EngineClient`, whose health says `tp`). `limits`: what one request may ask; `default_seed`: the seed of
+    OpenAI-style requests that name none; `weights_root`: the folder path-based weight updates may read (None:
+    none); `threads`: the engine's intra-op CPU threads where another process runs it (None: read on the worker)."""
     root = None if weights_root is None else Path(weights_root).resolve()
     if root is not None and not root.is_dir():
         raise FileNotFoundError(f"--weights-root {weights_root}: no such folder")
+    info = engine.health()  # what it runs, read once: an engine in other processes answers between calls only
+    family, tp = get_family(info["family"]), info.get("tp", 1)
     worker = Worker()
-    tokens = _TokenCounter(engine)
-    threads = worker.submit(lambda _stop: torch.get_num_threads()).future.result()  # the engine thread's count
+    tokens = _TokenCounter(info["checkpoint"])
+    if threads is None:
+        threads = worker.submit(lambda _stop: torch.get_num_threads()).future.result()  # the engine thread's count
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -553,7 +586,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
         """Check the family's rules and `limits`, then run `fn` on the worker within the request's time, stopped if
         its client leaves."""
         try:
-            check_family_limits(params, engine.family)
+            check_family_limits(params, family)
         except ValueError as e:
             raise RequestError(str(e)) from e
         limits.check(samples, params, prompts)
@@ -568,7 +601,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
         stuck = age is not None and age > limits.request_timeout + min(limits.request_timeout, STUCK_GRACE_S)
         status = "shutting_down" if worker.closed else "stuck" if stuck else "ok"
         return JSONResponse({
-            **engine.health(), "status": status, "threads": threads,
+            **info, "status": status, "threads": threads,
             "busy": running is not None, "queue_depth": worker.depth,
             "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits)},
             200 if status == "ok" else 503)
@@ -581,7 +614,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
 
         def rollout(should_stop: Callable[[], bool]) -> Rollout:
             out = engine.rollout(req, should_stop=should_stop)
-            out.engine["lora_checksum"] = engine.lora_checksum()  # in the same call: the LoRA this rollout ran with
+            out.engine["lora_checksum"] = engine.checksum()  # in the same call: the LoRA this rollout ran with
             return out
 
         out = await generation(request, len(req.prompts) * req.n_per_prompt, req.params, req.prompts, rollout,
@@ -610,7 +643,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
 
     @app.post("/weights/lora")
     async def weights_lora(request: Request) -> dict:
-        state, f = await _weights_request(request, LoraUpdate, LoraByPath, False, root)
+        state, f = await _weights_request(request, LoraUpdate, LoraByPath, False, root, tp)
 
         def apply(_stop: Callable[[], bool]) -> str:
             return engine.update_weights(state, f.scale, f.merge_mode)
@@ -619,6 +652,10 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
 
     @app.post("/weights/full")
     async def weights_full(request: Request) -> dict:
+        if tp > 1:  # refused before a byte of the weights is read
+            raise RequestError(f"full-weight updates are not supported by a tensor-parallel engine (this server runs "
+                               f"--tp {tp}): restart `trueflow serve` from a checkpoint holding the weights, or serve "
+                               f"with --tp 1; LoRA updates (/weights/lora) are taken")
         state, _ = await _weights_request(request, FullUpdate, FullByPath, True, root)
 
         def apply(_stop: Callable[[], bool]) -> str:
@@ -626,9 +663,12 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
 
         return {"weights": await worker.wait(worker.submit(apply), request)}
 
+    # A tensor-parallel engine holds no whole weights to hash: its `weights` is null.
+    weights_checksum = getattr(engine, "weights_checksum", lambda: None)
+
     @app.get("/weights/checksum")
     async def checksum(request: Request) -> dict:
-        job = worker.submit(lambda _stop: (engine.weights_checksum(), engine.lora_checksum()))
+        job = worker.submit(lambda _stop: (weights_checksum(), engine.checksum()))
         weights, lora = await worker.wait(job, request)
         return {"weights": weights, "lora": lora}
 
@@ -638,26 +678,54 @@ def create_app(engine: Engine, limits: Limits = Limits(), default_seed: int = 0,
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, how long requests have to answer before uvicorn cancels them
 
 
+def _end_engine(engine: RolloutEngine, worker: Worker) -> None:
+    """Shut `engine` down once the worker has finished its running call (told to stop at its next step); where that
+    call has not ended within STUCK_GRACE_S, the engine's processes are killed rather than asked to close."""
+    worker.close()
+    worker.join()
+    worker.thread.join(STUCK_GRACE_S)
+    if worker.thread.is_alive():
+        for p in getattr(engine, "processes", ()):
+            p.kill()
+    engine.shutdown()
+
+
 def serve(checkpoint: str, host: str, port: int, patch_group: str = "none",
           disabled_patches: tuple[str, ...] = (), device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-          limits: Limits = Limits(), default_seed: int = 0, weights_root: str | None = None) -> None:
-    """Builds the engine once, then serves it until SIGTERM or SIGINT: then it takes no more work, stops the
-    running rollout at its next step, answers the waiting requests 503 and exits."""
+          limits: Limits = Limits(), default_seed: int = 0, weights_root: str | None = None, tp: int = 1) -> None:
+    """Builds the engine once (with `tp` > 1 a tensor-parallel `EngineClient`, a process per rank, each with this
+    process's intra-op thread count), then serves it until SIGTERM or SIGINT: then it takes no more work, stops the
+    running rollout at its next step, answers the waiting requests 503, ends the engine's processes and exits."""
     import uvicorn
 
+    engine: RolloutEngine | None = None
     try:
-        app = create_app(Engine(checkpoint, patch_group, disabled_patches, device, dtype), limits, default_seed,
-                         weights_root)
+        if tp > 1:
+            from ..sync.engine_process import EngineClient
+
+            engine = EngineClient(checkpoint, patch_group, disabled_patches, device, dtype,
+                                  threads=torch.get_num_threads(), tp=tp)
+        else:
+            engine = Engine(checkpoint, patch_group, disabled_patches, device, dtype)
+        app = create_app(engine, limits, default_seed, weights_root, torch.get_num_threads() if tp > 1 else None)
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
                 app.state.worker.close()  # uvicorn alone would wait for the running request, however long
                 super().handle_exit(sig, frame)
 
+            async def shutdown(self, sockets: list | None = None) -> None:
+                await super().shutdown(sockets)
+                if tp > 1:  # now, not after `run`: uvicorn then re-raises the signal, which ends this process at once
+                    await asyncio.to_thread(_end_engine, engine, app.state.worker)
+
         Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
     except KeyboardInterrupt:  # Ctrl-C while loading, or the SIGINT uvicorn re-raises once it has shut down
         pass
+    finally:
+        if engine is not None:  # a second shutdown does nothing
+            engine.shutdown()
 
 
 # -- clients ---------------------------------------------------------------------------------------------------
