@@ -5,17 +5,21 @@ a rollout answers 503 and leaves none of its processes behind."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import httpx
 import msgpack
+import numpy as np
 import pytest
+from PIL import Image
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
-from multiprocessing.reduction import ForkingPickler
 
 from test_server import NO_LORA, assert_same_rollout, checksums, make_lora, serve_subprocess
 from test_server_shutdown import LONG
@@ -80,6 +84,13 @@ def test_serve_tp2_rollouts_lora_refusals_and_shutdown(tiny_checkpoint):
             assert_same_rollout(with_lora, reference.rollout(REQUEST))
             assert_differs(with_lora.microgroups[0].latents, served.microgroups[0].latents, "the LoRA's effect")
             assert with_lora.engine["lora_checksum"] == tensors_checksum(lora)
+            r = httpx.post(f"{url}/v1/images/generations", timeout=60, json={
+                "prompt": "a cat", "size": "32x32", "seed": 5, "steps": 2, "sampler": "ode"})
+            assert r.status_code == 200, r.text
+            png = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+            expected = reference.rollout(RolloutRequest(["a cat"], 1, SamplingParams(steps=2, sampler="ode",
+                                                                                    height=32, width=32), 5))
+            assert np.array_equal(png, expected.images[0].numpy())
 
             # What a multi-process engine cannot take: refused before anything is read or opened, naming the fix.
             r = httpx.post(f"{url}/weights/full", json={"path": "anything"})
