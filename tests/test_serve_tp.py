@@ -13,6 +13,7 @@ import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import msgpack
@@ -136,3 +137,23 @@ def test_serve_tp_refuses_bad_combinations_in_one_line(tiny_checkpoint, capsys):
         assert main(["serve", "--checkpoint", str(tiny_checkpoint), *flags]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_health_says_failed_once_an_engine_process_has_died(tiny_checkpoint):
+    """A dead rank fails every engine call: /health says so (503), as a load balancer needs to see."""
+    from fastapi.testclient import TestClient
+
+    from trueflow.engine.server import create_app
+
+    class Ranks:  # the part of EngineClient the health reads: what it runs, and its processes
+        processes = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]
+
+        def health(self) -> dict:
+            return {"checkpoint": str(tiny_checkpoint), "family": "qwen_image", "tp": 2}
+
+    engine = Ranks()
+    with TestClient(create_app(engine, threads=1)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        engine.processes[1].exitcode = -9
+        r = client.get("/health")
+        assert (r.status_code, r.json()["status"], r.json()["tp"]) == (503, "failed", 2)

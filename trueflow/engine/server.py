@@ -599,7 +599,9 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
         running = worker.running
         age = None if running is None or running.started is None else time.monotonic() - running.started
         stuck = age is not None and age > limits.request_timeout + min(limits.request_timeout, STUCK_GRACE_S)
-        status = "shutting_down" if worker.closed else "stuck" if stuck else "ok"
+        # An engine in other processes fails every call once one of them has died (a rank's OOM, a kill).
+        died = any(p.exitcode is not None for p in getattr(engine, "processes", ()))
+        status = "shutting_down" if worker.closed else "failed" if died else "stuck" if stuck else "ok"
         return JSONResponse({
             **info, "status": status, "threads": threads,
             "busy": running is not None, "queue_depth": worker.depth,
