@@ -89,7 +89,7 @@ def _run_parity(a: argparse.Namespace) -> int:
         print(format_result(spec, result))
         if a.tp != 1 or a.train_tp_match is not None:
             print(f"  tensor parallel {result.tp}, train side {'TP-matched' if result.train_tp_match else 'stock'}, "
-                  f"{result.collectives_per_forward} rank-ordered sums per forward"
+                  f"{result.collectives_per_forward} collectives per forward (rank-ordered sums, all-gathers)"
                   + (", each rank's LoRA slice confirmed by checksum" if spec.lora_rank else ""))
         if ablation is not None:
             print(format_ablation(ablation))
