@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trueflow.cli import main
+from trueflow.parallel import engine as parallel_engine
 from trueflow.engine.engine import Engine
 from trueflow.engine.interface import RolloutRequest
 from trueflow.engine.sampling_params import SamplingParams
@@ -47,17 +48,19 @@ def test_a_tp_engine_answers_as_the_interface_with_each_slice_confirmed(tiny_che
         tp.shutdown()
 
 
-def test_generate_and_train_take_tp(tiny_checkpoint, tmp_path):
+def test_generate_and_train_take_tp(tiny_checkpoint, tmp_path, monkeypatch):
     assert main(["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cat", "--num-images", "2",
                  "--steps", "2", "--tp", "2", "--patch-group", "qwen_image", "--out", str(tmp_path / "g")]) == 0
     assert sorted(p.name for p in (tmp_path / "g").glob("*.png")) == ["0000.png", "0001.png"]
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(tiny_checkpoint), engine_process=True, tp=2,
                       steps=3, num_sde_steps=1, num_rollouts=2, rollout_batch_size=2, n_samples_per_prompt=4,
                       rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=0)
+    monkeypatch.setattr(parallel_engine, "_GATE_SAID", False)  # said once per process: maybe by `generate` above
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         run_training(cfg)
     assert any(issubclass(w.category, ParityConditionWarning) and "--tp 2" in str(w.message) for w in seen)
+    assert any("TP gate: --tp 2" in str(w.message) for w in seen)  # the stock train side: the gate speaks
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2 and all(r["checksums_equal"] and r["lora_update_norm"] > 0 for r in rows)
     assert all(0 < r["model_output_max_abs_diff"] < 0.1 for r in rows)  # not bitwise: the gate's condition
@@ -71,16 +74,19 @@ def test_tp_is_refused_where_it_cannot_run(tiny_checkpoint, tmp_path, capsys):
     assert "--tp" in capsys.readouterr().err
 
 
-def test_train_with_the_tp_matched_train_side_is_bitwise(tiny_checkpoint, tmp_path):
+def test_train_with_the_tp_matched_train_side_is_bitwise(tiny_checkpoint, tmp_path, monkeypatch):
     """`--train-tp-match 2`: the trainer computes each sharded layer as the engine's 2 ranks do (diffusers' own model,
     its linear layers and attention split as the plan says), so parity is 0.0 at every step again, with real LoRA
-    training through it; no TP parity warning."""
+    training through it; no TP parity warning, and no TP gate warning from the engine's client."""
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), checkpoint=str(tiny_checkpoint), engine_process=True, tp=2,
                       train_tp_match=2, steps=3, num_sde_steps=1, num_rollouts=2, rollout_batch_size=2,
                       n_samples_per_prompt=4, rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=0)
-    with warnings.catch_warnings():
+    monkeypatch.setattr(parallel_engine, "_GATE_SAID", False)  # said once per process: maybe by an earlier test
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         warnings.simplefilter("error", ParityConditionWarning)
         run_training(cfg)
+    assert not [str(w.message) for w in seen if "TP gate" in str(w.message)]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     for r in rows:
         assert r["model_output_max_abs_diff"] == 0.0 and r["log_prob_max_abs_diff"] == 0.0 and r["ratio_mean"] == 1.0

@@ -157,10 +157,11 @@ class EngineClient:
                  device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  reward: tuple[str, str | None, str, str | None, str, int] | None = None, family: str | None = None,
-                 tp: int = 1):
+                 tp: int = 1, tp_matched: bool = False):
         """`reward`: (spec, model path, device, url, on_error, frames) of a reward to build in the engine process
         (rank 0's), which then scores every rollout (`ScoredEngine`); None keeps rewards out of it. `family`: as `Engine`'s (where
-        the checkpoint names none). `tp`: tensor-parallel ranks (the family must declare a plan)."""
+        the checkpoint names none). `tp`: tensor-parallel ranks (the family must declare a plan). `tp_matched`: the
+        caller's train side computes each sharded layer as these ranks do (`--train-tp-match`): no TP gate warning."""
         if tp < 1:
             raise ValueError(f"--tp must be >= 1, got {tp}")
         self.tp, self.dtype, self.bucket_bytes = tp, dtype, bucket_bytes
@@ -171,7 +172,7 @@ class EngineClient:
             from ..parallel.engine import tp_gate, tp_plan
 
             tp_plan(self.family, tp).check(loading.read_transformer_config(checkpoint), tp)  # refused before spawning
-            tp_gate(tp, patch_group, None, matched=False)
+            tp_gate(tp, patch_group, None, matched=tp_matched)
             port = free_port()
         ctx = mp.get_context("spawn")
         self.stop, self.scored = ctx.Event(), reward is not None  # `stop`: set to stop the running rollout

@@ -125,7 +125,8 @@ def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) ->
     if cfg.tp > 1 and dist.get_world_size() > 1:
         raise ValueError(f"--tp {cfg.tp} takes one trainer rank (each rank's engine would claim the same devices); "
                          f"run --tp with a single process, or data-parallel ranks with --tp 1")
-    process = dict(device=str(device), threads=torch.get_num_threads(), tp=cfg.tp)  # an engine of its own
+    process = dict(device=str(device), threads=torch.get_num_threads(), tp=cfg.tp,  # an engine of its own
+                   tp_matched=cfg.train_tp_match == cfg.tp)
     if cfg.engine_process and cfg.reward_placement == "engine":  # scored in the engine process
         return EngineClient(**where, **process,
                             reward=(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
