@@ -1,7 +1,9 @@
 """The engine interface (`interface.RolloutEngine`) over HTTP: a `trueflow serve` server, as a trainer's engine.
 
 Rollouts come back bit for bit (`wire`); weights go as IPC handles (shared memory on CPU, CUDA IPC on GPU), so the
-server must be on this machine and answer on loopback (docs/server.md).
+server must be on this machine and answer on loopback (docs/server.md). A tensor-parallel server (`serve --tp N`, its
+health says `tp`) forwards an update to its ranks' processes and so takes CPU handles only: a LoRA goes to it as CPU
+copies.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ class HttpEngine:
     def __init__(self, url: str, timeout: float = 3600.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.url, self.timeout, self.bucket_bytes = url.rstrip("/"), timeout, bucket_bytes
         try:  # fails now, naming the URL and the fix, rather than at the first rollout
-            status = self.health().get("status")
+            health = self.health()
         except ServerError as e:
             raise ValueError(e.message) from None
+        status, self.tp = health.get("status"), health.get("tp", 1)
         if status != "ok":
             raise ValueError(f"the engine server at {self.url} is not ready (status {status!r})")
 
@@ -32,6 +35,8 @@ class HttpEngine:
                        merge_mode: str | None = None) -> str:
         if lora_scale is None:
             return push_weights(self.url, state, self.bucket_bytes)
+        if self.tp > 1:  # its ranks' processes cannot open CUDA IPC handles sent to the server's process
+            state = {k: v.detach().cpu() for k, v in state.items()}
         return push_lora(self.url, state, lora_scale, merge_mode, self.bucket_bytes)
 
     def checksum(self) -> str:
