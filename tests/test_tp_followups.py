@@ -1,14 +1,24 @@
 """Tensor-parallel loose ends: an HTTP engine sends a tensor-parallel server its LoRA as CPU tensors (the server's
-ranks cannot open CUDA IPC handles), and an LTX-2.3 rank never receives the checkpoint's audio stream."""
+ranks cannot open CUDA IPC handles), and no LTX-2.3 engine rank is sent (or one-process engine reads) the
+checkpoint's audio stream, which the engine drops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from safetensors import safe_open
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from trueflow import loading
 from trueflow.engine import http_engine
+from trueflow.engine.engine import Engine
 from trueflow.engine.http_engine import HttpEngine
+from trueflow.engine.weights import load_engine_transformer
+from trueflow.models.ltx2.weights import NAMES, is_audio_only
+from trueflow.models.weight_map import expected_tensors
+from trueflow.parallel import engine as tp_engine
+from trueflow.parallel.comm import free_port, init_tp
 
 
 @pytest.mark.parametrize("tp, device", [(2, "cpu"), (1, "cuda")])
@@ -25,3 +35,44 @@ def test_an_http_engine_sends_a_tp_server_cpu_tensors(monkeypatch, tp, device):
     assert sorted(sent) == sorted(lora)
     assert {t.device.type for t in sent.values()} == {device}
     assert [t.shape for t in sent.values()] == [t.shape for t in lora.values()]
+
+
+def _received(rank: int, tp: int, port: int, checkpoint: str, queue) -> None:
+    """An LTX-2.3 engine rank built as `EngineClient(tp=2)` builds it; reports the names of the tensors it was sent."""
+    torch.set_num_threads(1)
+    group = init_tp(rank, tp, port, torch.device("cpu"))
+    scatter, got = tp_engine.scatter_shards, {}
+
+    def recorded(*args, **kwargs):
+        got.update(scatter(*args, **kwargs))
+        return got
+
+    tp_engine.scatter_shards = recorded  # what `Engine` imports when it loads as a rank
+    try:
+        Engine(checkpoint, "ltx", tp=group)
+        queue.put((rank, sorted(got)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _audio_in_file(checkpoint) -> list[str]:
+    (path,) = (checkpoint / "transformer").glob("*.safetensors")
+    with safe_open(str(path), "pt") as f:
+        return [k for k in f.keys() if is_audio_only(k)]
+
+
+def test_no_ltx2_rank_is_sent_the_audio_stream(ltx2_checkpoint):
+    assert _audio_in_file(ltx2_checkpoint), "the tiny checkpoint should hold an audio stream to leave out"
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_received, args=(2, free_port(), str(ltx2_checkpoint), queue), nprocs=2, join=True)
+    for rank, names in sorted(queue.get() for _ in range(2)):
+        assert names and not [n for n in names if is_audio_only(n)], f"rank {rank} was sent audio tensors"
+
+
+def test_a_one_process_ltx2_engine_reads_no_audio_tensor(ltx2_checkpoint, monkeypatch):
+    read = loading.read_transformer_state_dict
+    got = {}
+    monkeypatch.setattr(loading, "read_transformer_state_dict", lambda *a, **k: got.setdefault("state", read(*a, **k)))
+    engine = load_engine_transformer(str(ltx2_checkpoint), family="ltx2")
+    assert not [n for n in got["state"] if is_audio_only(n)]
+    assert len(got["state"]) == len(expected_tensors(engine, NAMES))  # the video stream, every tensor of it

@@ -6,10 +6,11 @@ The only file I/O on the load path; models receive plain dicts of tensors.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 
 class CheckpointError(FileNotFoundError):
@@ -30,8 +31,10 @@ def read_transformer_config(checkpoint: str | Path) -> dict:
     return json.loads((transformer_dir(checkpoint) / "config.json").read_text())
 
 
-def read_transformer_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the transformer, from one safetensors file or the shards an index names."""
+def read_transformer_state_dict(checkpoint: str | Path,
+                                drops: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the transformer, from one safetensors file or the shards an index names; those `drops` names
+    are left unread."""
     d = transformer_dir(checkpoint)
     index = d / "diffusion_pytorch_model.safetensors.index.json"
     if index.is_file():
@@ -47,7 +50,8 @@ def read_transformer_state_dict(checkpoint: str | Path) -> dict[str, torch.Tenso
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), "pt") as sf:
+                state.update({k: sf.get_tensor(k) for k in sf.offset_keys() if drops is None or not drops(k)})
         except Exception as e:  # a truncated or corrupt file: name it
             raise CheckpointError(f"{f}: cannot read safetensors ({e}); the file is partial or corrupt") from e
     return state

@@ -78,7 +78,8 @@ class Engine:
         else:
             from ..parallel.engine import build_tp_engine_transformer, scatter_shards, tp_plan
 
-            full = loading.read_transformer_state_dict(root) if tp.rank == 0 else None
+            # What the engine drops (LTX-2.3's audio stream) is left unread, so no rank is sent it.
+            full = loading.read_transformer_state_dict(root, fam.engine.drops) if tp.rank == 0 else None
             shards = scatter_shards(tp_plan(fam, tp.size), full, tp, self.device)
             del full
             self.transformer = build_tp_engine_transformer(loading.read_transformer_config(root), shards, tp,

@@ -38,8 +38,9 @@ def build_engine_transformer(
 
 def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = torch.bfloat16,
                             patch_group: str = "none", disabled_patches=(), family: str | None = None) -> nn.Module:
-    return build_engine_transformer(loading.read_transformer_config(checkpoint),
-                                    loading.read_transformer_state_dict(checkpoint),
+    config = loading.read_transformer_config(checkpoint)
+    drops = family_for_config(config, family).engine.drops  # left unread: LTX-2.3's audio stream
+    return build_engine_transformer(config, loading.read_transformer_state_dict(checkpoint, drops),
                                     device, dtype, patch_group, disabled_patches, family)
 
 

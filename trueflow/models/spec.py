@@ -56,6 +56,9 @@ class EngineSide:
     comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name
     attention_backend: Callable[[nn.Module], str]  # the attention kernel a built model runs (for reports)
     tp_plan: TPPlan | None = None  # tensor-parallel shard plan (docs/tensor-parallel.md); None: TP 1 only
+    # The checkpoint's tensors (diffusers names) that `load_weights` drops: left unread on load, so never sent to a
+    # rank (LTX-2.3's audio stream). None: it reads every tensor.
+    drops: Callable[[str], bool] | None = None
 
 
 @dataclass(frozen=True)

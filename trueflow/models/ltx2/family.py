@@ -29,6 +29,7 @@ FAMILY = ModelFamily(
     engine=EngineSide(
         build_model=build_model,
         load_weights=weights.load_weights,
+        drops=weights.is_audio_only,
         parse_peft_state_dict=weights.parse_peft_state_dict,
         set_lora=weights.set_lora,
         map_module_name=weights.map_module_name,
