@@ -19,6 +19,8 @@ from trueflow.models.ltx2.weights import NAMES, is_audio_only
 from trueflow.models.weight_map import expected_tensors
 from trueflow.parallel import engine as tp_engine
 from trueflow.parallel.comm import free_port, init_tp
+from trueflow.parity import tp as parity_tp
+from trueflow.parity.probe import ProbeSpec
 
 
 @pytest.mark.parametrize("tp, device", [(2, "cpu"), (1, "cuda")])
@@ -37,22 +39,27 @@ def test_an_http_engine_sends_a_tp_server_cpu_tensors(monkeypatch, tp, device):
     assert [t.shape for t in sent.values()] == [t.shape for t in lora.values()]
 
 
-def _received(rank: int, tp: int, port: int, checkpoint: str, queue) -> None:
-    """An LTX-2.3 engine rank built as `EngineClient(tp=2)` builds it; reports the names of the tensors it was sent."""
+def _received(rank: int, tp: int, port: int, checkpoint: str, how: str, queue) -> None:
+    """An LTX-2.3 engine rank built as `EngineClient(tp=2)` builds it (`how` "engine") or as `parity --tp 2` does
+    ("probe"); reports the names of the tensors it was sent."""
     torch.set_num_threads(1)
-    group = init_tp(rank, tp, port, torch.device("cpu"))
-    scatter, got = tp_engine.scatter_shards, {}
+    module = parity_tp if how == "probe" else tp_engine  # where the loading code finds `scatter_shards`
+    scatter, got = module.scatter_shards, {}
 
     def recorded(*args, **kwargs):
         got.update(scatter(*args, **kwargs))
         return got
 
-    tp_engine.scatter_shards = recorded  # what `Engine` imports when it loads as a rank
-    try:
-        Engine(checkpoint, "ltx", tp=group)
-        queue.put((rank, sorted(got)))
-    finally:
-        torch.distributed.destroy_process_group()
+    module.scatter_shards = recorded
+    if how == "probe":  # the probe's rank 0 answers first, with its result
+        parity_tp._rank(rank, tp, port, ProbeSpec(checkpoint=checkpoint), "ltx", (), None, 1, queue)
+    else:
+        group = init_tp(rank, tp, port, torch.device("cpu"))
+        try:
+            Engine(checkpoint, "ltx", tp=group)
+        finally:
+            torch.distributed.destroy_process_group()
+    queue.put((rank, sorted(got)))
 
 
 def _audio_in_file(checkpoint) -> list[str]:
@@ -61,11 +68,16 @@ def _audio_in_file(checkpoint) -> list[str]:
         return [k for k in f.keys() if is_audio_only(k)]
 
 
-def test_no_ltx2_rank_is_sent_the_audio_stream(ltx2_checkpoint):
+@pytest.mark.parametrize("how", ["engine", "probe"])
+def test_no_ltx2_rank_is_sent_the_audio_stream(ltx2_checkpoint, how):
     assert _audio_in_file(ltx2_checkpoint), "the tiny checkpoint should hold an audio stream to leave out"
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_received, args=(2, free_port(), str(ltx2_checkpoint), queue), nprocs=2, join=True)
-    for rank, names in sorted(queue.get() for _ in range(2)):
+    mp.spawn(_received, args=(2, free_port(), str(ltx2_checkpoint), how, queue), nprocs=2, join=True)
+    answers = [queue.get() for _ in range(3 if how == "probe" else 2)]
+    assert not [a for a in answers if isinstance(a, str)]  # a probe that refused its input
+    received = sorted(a for a in answers if isinstance(a, tuple))
+    assert [rank for rank, _ in received] == [0, 1]
+    for rank, names in received:
         assert names and not [n for n in names if is_audio_only(n)], f"rank {rank} was sent audio tensors"
 
 

@@ -11,6 +11,7 @@ is a plan's gathered module: its inputs all-gathered, run whole, its output slic
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -107,13 +108,15 @@ def build_tp_engine_transformer(config: dict, rank_state_dict: dict[str, torch.T
     return model
 
 
-def scatter_shards(plan: TPPlan, state_dict: dict[str, torch.Tensor] | None, tp: TPGroup,
-                   device: torch.device) -> dict[str, torch.Tensor]:
+def scatter_shards(plan: TPPlan, state_dict: dict[str, torch.Tensor] | None, tp: TPGroup, device: torch.device,
+                   drops: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Rank 0 holds the full diffusers-named tensors (`state_dict`; None elsewhere) and sends each other rank its
     slice, one tensor at a time (device to device under NCCL), so no rank but 0 ever holds more than its 1/N.
-    Returns this rank's slice."""
+    The tensors `drops` names (the family's: what the engine drops) go to no rank. Returns this rank's slice."""
     manifest = [None]
     if tp.rank == 0:  # names, shapes and dtypes of every rank's slice, from meta tensors (no copies)
+        if drops is not None:
+            state_dict = {n: t for n, t in state_dict.items() if not drops(n)}
         meta = {n: t.to("meta") for n, t in state_dict.items()}
         manifest = [[{n: (tuple(t.shape), t.dtype) for n, t in shard_state_dict(plan, meta, r, tp.size).items()}
                      for r in range(tp.size)]]

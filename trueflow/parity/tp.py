@@ -100,7 +100,8 @@ def _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, de
     if refused is not None:
         raise ValueError(refused)
     family = get_family(family_name)
-    shards = scatter_shards(family.engine.tp_plan, probe.state_dict if probe else None, group, device)
+    shards = scatter_shards(family.engine.tp_plan, probe.state_dict if probe else None, group, device,
+                            family.engine.drops)
     engine = build_tp_engine_transformer(config, shards, group, device, spec.torch_dtype(), patch_group,
                                          disabled, family=family_name)
     del shards
