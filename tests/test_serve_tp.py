@@ -28,6 +28,7 @@ from trueflow.cli import main
 from trueflow.engine import wire
 from trueflow.engine.interface import RolloutRequest
 from trueflow.engine.sampling_params import SamplingParams
+from trueflow.parallel import engine as parallel_engine
 from trueflow.engine.server import push_lora, remote_rollout
 from trueflow.http import MSGPACK
 from trueflow.models import get_family
@@ -61,7 +62,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_serve_tp2_rollouts_lora_refusals_and_shutdown(tiny_checkpoint):
+def test_serve_tp2_rollouts_lora_refusals_and_shutdown(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(parallel_engine, "_GATE_SAID", False)  # said once per process: maybe by an earlier test
     with pytest.warns(UserWarning, match="TP gate"):
         reference = EngineClient(str(tiny_checkpoint), "qwen_image", threads=1, tp=2)
     try:

@@ -279,3 +279,6 @@ class EngineClient:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        # The LoRA's buffers were shared by IPC: freed now, once their receivers are gone and while CUDA is still up,
+        # not in the interpreter's teardown.
+        self.packer = BucketPacker(self.bucket_bytes)
