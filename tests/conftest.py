@@ -33,6 +33,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny() -> tuple[dict, dict]:
+    """The tiny Qwen-Image transformer's config and seeded bf16 diffusers state dict (a module may define its own
+    `tiny` for another model)."""
+    from trueflow.models.qwen_image.presets import build_transformer, transformer_config
+
+    config = transformer_config("tiny")
+    return config, build_transformer(config, seed=0, dtype=BF16).state_dict()
+
+
+@pytest.fixture(scope="session")
 def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ONE tiny LTX-2.3 pipeline folder (seed 0, fp32), written once and shared read-only."""
     from trueflow.models.ltx2.checkpoint import write_checkpoint

@@ -7,19 +7,12 @@ import pytest
 import torch
 
 from conftest import BF16, assert_bitwise, randn
-from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward, LoraState
 from trueflow.engine.weights import build_engine_transformer, update_lora
 from trueflow.models.qwen_image.weights import load_weights
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 LORA_TARGETS = ("attn.to_q", "attn.add_v_proj", "attn.to_out.0", "img_mlp.net.0.proj", "txt_mlp.net.2")
-
-
-@pytest.fixture(scope="module")
-def tiny() -> tuple[dict, dict]:
-    config = transformer_config("tiny")
-    return config, build_transformer(config, seed=0, dtype=BF16).state_dict()
 
 
 def engine(tiny, device: str, group: str = "none"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import BF16, assert_bitwise
-from test_lora_sync import adapter_tensors, forward, parity_engine, peft_lora, tiny  # noqa: F401 (fixture)
+from test_lora_sync import adapter_tensors, forward, parity_engine, peft_lora
 from trueflow.engine import lora_arena
 from trueflow.engine.lora_arena import lora_checksum, update_lora_packed
 from trueflow.engine.weights import lora_state, update_lora

@@ -18,18 +18,11 @@ import torch
 from conftest import BF16, assert_bitwise, randn
 from trueflow.engine.weights import build_engine_transformer, update_lora
 from trueflow.layers.linear import Linear
-from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.sync import checksum
 from trueflow.sync.buckets import Bucket, pack
 from trueflow.sync.checksum import buckets_checksum, tensors_checksum
 
 TARGETS = {"attn.to_q": (1, 1), "attn.add_v_proj": (1, 1), "img_mlp.net.0.proj": (1, 4), "txt_mlp.net.2": (4, 1)}
-
-
-@pytest.fixture(scope="module")
-def tiny() -> tuple[dict, dict]:
-    config = transformer_config("tiny")
-    return config, build_transformer(config, seed=0, dtype=BF16).state_dict()
 
 
 def parity_engine(tiny) -> torch.nn.Module:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 from trueflow.cli import main
 from trueflow.parallel import engine as parallel_engine

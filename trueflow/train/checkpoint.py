@@ -25,7 +25,6 @@ import shutil
 import warnings
 from pathlib import Path
 
-import diffusers
 import numpy as np
 import torch
 import torch.distributed as dist
