@@ -134,3 +134,58 @@ def test_bucket_packer_refills_its_buffers_with_the_bytes_pack_writes():
         assert got.manifest == want.manifest and torch.equal(got.buffer, want.buffer)
     other = packer.pack({**second, "z.lora_B.weight": torch.ones(3, 4, dtype=BF16)})  # a new layout: packed afresh
     assert [b.buffer.data_ptr() for b in other] != ptrs
+
+
+def test_the_scale_is_judged_and_held_as_the_general_path_does(tiny, general_calls):
+    """An int scale is held as the float the general path holds (the weights checksum hashes it); a bool or a
+    tensor scale, refused by the general path, is not waved through by the fast path's equality."""
+    model = parity_engine(tiny)
+    update_lora_packed(model, pack(lora(tiny, 0)), 1)
+    update_lora_packed(model, pack(lora(tiny, 1)), 1)
+    assert len(general_calls) == 1
+    assert {type(a.scale) for m in model.modules() if hasattr(m, "adapters") for a in m.adapters if a} == {float}
+    for bad, words in ((True, "scale must be a number, got bool"), (torch.tensor(1.0), "got Tensor")):
+        with pytest.raises(ValueError, match=words):
+            update_lora_packed(model, pack(lora(tiny, 2)), bad)
+
+
+def test_an_install_outside_the_arena_or_a_full_load_drops_it(tiny, monkeypatch):
+    """The runner's unpacked path copies into the arena's views where shapes match and may add adapters beside
+    them; a full-weight load clears the LoRA. Either way the arena no longer says what the layers hold."""
+    from trueflow.engine import model_runner
+    from trueflow.engine.model_runner import ModelRunner
+
+    model = parity_engine(tiny)
+    runner = ModelRunner(model, model.family, torch.device("cpu"), BF16)
+    runner.update_lora(lora(tiny, 0), 0.5)
+    assert model.lora_arena is not None
+    monkeypatch.setattr(model_runner, "as_buckets", lambda state: None)  # e.g. tensors on two devices
+    first = sorted(lora(tiny, 1))[:2]  # one module: in place into the arena's views, the others cleared
+    runner.update_lora({k: lora(tiny, 1)[k] for k in first}, 0.5)
+    assert model.lora_arena is None
+    assert runner.lora_checksum() == tensors_checksum({k: lora(tiny, 1)[k] for k in first})
+    runner.update_lora(lora(tiny, 2), 0.5)
+    monkeypatch.undo()
+    runner.update_lora(lora(tiny, 3), 0.5)
+    assert model.lora_arena is not None
+    runner.load_weights(tiny[1])
+    assert model.lora_arena is None and runner.lora_checksum() == tensors_checksum({})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_buckets_update_a_cuda_arena(tiny, general_calls):
+    """A LoRA given as CPU tensors (a server's file or JSON update) to an engine on CUDA: checked where it lies,
+    copied to the arena's device, equal to the general path."""
+    from trueflow.engine.weights import build_engine_transformer
+
+    def cuda_engine():
+        return build_engine_transformer(tiny[0], tiny[1], "cuda", BF16, "qwen_image")
+
+    model = cuda_engine()
+    for seed in (0, 1):
+        update_lora_packed(model, pack(lora(tiny, seed)), 0.5)
+    assert len(general_calls) == 1
+    general = cuda_engine()
+    update_lora(general, lora(tiny, 1), 0.5)
+    assert lora_checksum(model) == tensors_checksum(lora_state(general))

@@ -88,3 +88,33 @@ def test_a_one_process_ltx2_engine_reads_no_audio_tensor(ltx2_checkpoint, monkey
     engine = load_engine_transformer(str(ltx2_checkpoint), family="ltx2")
     assert not [n for n in got["state"] if is_audio_only(n)]
     assert len(got["state"]) == len(expected_tensors(engine, NAMES))  # the video stream, every tensor of it
+
+
+def test_a_lora_refused_by_one_tp_rank_is_applied_by_none(tiny_checkpoint):
+    """The merged-weight bound holds per slice: B's rows of rank 1 (a column-parallel q) at 2e19 with A at 1e19
+    overflow bf16 there, while rank 0's rows at 1 pass. The update is refused on every rank, naming rank 1, and
+    every rank still holds the LoRA before it (the client's checksum confirms each rank's slice)."""
+    import warnings
+
+    from trueflow.sync.engine_process import EngineClient, EngineRequestRefused
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TP gate
+        client = EngineClient(str(tiny_checkpoint), "qwen_image", threads=1, tp=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = "transformer_blocks.0.attn.to_q"
+        inner, rank = 64, 2  # the tiny model's 2 heads x 32
+        good = {f"{q}.lora_A.weight": (torch.randn(rank, inner, generator=g) * 0.1).to(torch.bfloat16),
+                f"{q}.lora_B.weight": (torch.randn(inner, rank, generator=g) * 0.1).to(torch.bfloat16)}
+        before = client.update_weights(good, 1.0, "unmerged")
+        bad = {k: v.clone() for k, v in good.items()}
+        bad[f"{q}.lora_A.weight"].fill_(1e19)
+        bad[f"{q}.lora_B.weight"][:inner // 2] = 1.0  # rank 0's output rows
+        bad[f"{q}.lora_B.weight"][inner // 2:] = 2e19  # rank 1's
+        with pytest.raises(EngineRequestRefused, match="tp rank 1: cannot load LoRA, nothing was applied") as info:
+            client.update_weights(bad, 1.0, "unmerged")
+        assert "tp rank 0" not in str(info.value)
+        assert client.checksum() == before, "a rank installed its slice of a refused update"
+    finally:
+        client.shutdown()

@@ -15,6 +15,8 @@ doubt sends the update down the general path, which names every problem and inst
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ Layout = list[tuple[int, list[tuple[str, torch.dtype, tuple[int, ...], int]]]]
 
 
 def layout(buckets: list[Bucket]) -> Layout:
+    """What a same-layout update must repeat: each bucket's size and manifest (names, dtypes, shapes, offsets)."""
     return [(b.buffer.numel(), b.manifest) for b in buckets]
 
 
@@ -37,8 +40,9 @@ class LoraArena:
 
     def __init__(self, model: nn.Module, buckets: list[Bucket], scale: float):
         slots = weights.lora_slots(model)
-        self.layout, self.scale = layout(buckets), scale
-        self.buffers = [b.buffer.to(model_device(model), copy=True) for b in buckets]
+        self.layout, self.scale = layout(buckets), float(scale)  # as `weight_map.set_lora` stores it
+        device = next(model.parameters()).device
+        self.buffers = [b.buffer.to(device, copy=True) for b in buckets]
         self.buckets = [Bucket(buf, b.manifest) for buf, b in zip(self.buffers, buckets)]
         views = unpack(self.buckets)
         order = {name: i for i, name in enumerate(views)}  # the manifests' order: the fast check's maxima
@@ -46,7 +50,7 @@ class LoraArena:
         a_idx, b_idx, ranks, base, self.dtypes = [], [], [], [], set()
         for prefix, layer, slot in slots:
             a, b = f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
-            held.setdefault(layer, [None] * len(layer.splits))[slot] = LoraAdapter(views[a], views[b], scale)
+            held.setdefault(layer, [None] * len(layer.splits))[slot] = LoraAdapter(views[a], views[b], self.scale)
             a_idx.append(order[a])
             b_idx.append(order[b])
             ranks.append(views[a].shape[0])
@@ -80,7 +84,8 @@ class LoraArena:
     def accepts(self, buckets: list[Bucket], scale: float) -> bool:
         """Whether an update can take the fast path: same layout and scale, the arena still installed, and the
         base weights unchanged since their ranges were taken."""
-        return (scale == self.scale and self.holds() and layout(buckets) == self.layout
+        return (isinstance(scale, numbers.Real) and not isinstance(scale, bool) and float(scale) == self.scale
+                and self.holds() and layout(buckets) == self.layout
                 and all(layer.weight._version == v for layer, _, v in self.held))
 
     @torch.no_grad()
@@ -92,8 +97,9 @@ class LoraArena:
             x = b.buffer.view(dtype).abs()
             # NaN as inf, so that a NaN fails the finiteness test whatever the reduction does with NaN.
             x = torch.nan_to_num(x, nan=float("inf"), posinf=float("inf"))
-            maxima.append(torch.segment_reduce(x, "max", lengths=lengths, unsafe=True))
-        m = torch.cat([t.float() for t in maxima]).double().cpu()  # one transfer
+            # The update may sit on another device than the arena (CPU tensors sent to a GPU engine).
+            maxima.append(torch.segment_reduce(x, "max", lengths=lengths.to(x.device), unsafe=True))
+        m = torch.cat([t.double().cpu() for t in maxima])  # one transfer per bucket
         (dtype,) = self.dtypes
         a, b = m[self.a_idx], m[self.b_idx]
         s = abs(float(self.scale))
@@ -114,10 +120,6 @@ def aligned_elems(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Elements a tensor takes in a bucket, its zero padding included (zeros leave a largest |value| unchanged)."""
     size = dtype.itemsize
     return aligned(torch.Size(shape).numel() * size) // size
-
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def update_lora_packed(model: nn.Module, buckets: list[Bucket], scale: float, merge_mode: str | None = None) -> None:

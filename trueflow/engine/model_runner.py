@@ -51,7 +51,8 @@ class ModelRunner:
             update_lora_tp(self.transformer, unpack(state) if isinstance(state, list) else state, scale, merge_mode)
         elif (buckets := state if isinstance(state, list) else as_buckets(state)) is not None:
             update_lora_packed(self.transformer, buckets, scale, merge_mode)
-        else:
+        else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
+            self.transformer.lora_arena = None
             weights.update_lora(self.transformer, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -59,6 +60,7 @@ class ModelRunner:
             raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
                              "with --tp 1, or start the engine from a checkpoint holding them")
         self.family.engine.load_weights(self.transformer, state_dict)
+        self.transformer.lora_arena = None  # the LoRA was cleared: its arena's buffers go too
 
     def lora_checksum(self) -> str:
         return lora_checksum(self.transformer)

@@ -50,7 +50,7 @@ class EngineSide:
     build_model: Callable[[dict, Any, torch.dtype], nn.Module]  # transformer config -> model, parameters unset
     load_weights: Callable[[nn.Module, dict[str, torch.Tensor]], None]  # diffusers-named tensors, all or nothing
     parse_peft_state_dict: Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    set_lora: Callable[[nn.Module, dict, float, bool], None]  # (model, {diffusers module: (A, B)}, scale, merge)
+    set_lora: Callable[..., None]  # (model, {diffusers module: (A, B)}, scale, merge, check_only=False)
     map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
     diffusers_module_name: Callable[..., str]  # (engine module, slot=None) -> diffusers module: the inverse
     comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name

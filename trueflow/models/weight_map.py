@@ -180,9 +180,10 @@ def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tupl
 
 @torch.no_grad()
 def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool,
-             names: Names) -> None:
+             names: Names, check_only: bool = False) -> None:
     """Install a LoRA (diffusers module name -> (A, B)) on the engine, replacing any previous one. Validated
-    first, applied only if valid, so a bad update leaves the previous weights in place.
+    first, applied only if valid, so a bad update leaves the previous weights in place. `check_only`: validate
+    and stop (tensor-parallel ranks agree that every rank's slice is valid before any rank applies its own).
 
     Values are judged as the engine would hold them, in its dtype: A, B and the scale must be finite once cast,
     and so must scale·B (what an engine that folds the scale into B holds) and a bound of W + scale·B·A (the
@@ -223,6 +224,8 @@ def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]
         per_layer.setdefault(names.map_module_name(name)[0], [None] * len(layer.splits))[slot] = (name, A, B)
     if unexpected or mismatched or refused:
         raise WeightLoadError([], unexpected, mismatched, what="LoRA", refused=refused)
+    if check_only:
+        return
     # Cast copies first, so that nothing is installed unless every copy was made.
     adapters = {n: [None if s is None else _adapter(modules[n], s[1], s[2], float(scale)) for s in slots]
                 for n, slots in per_layer.items()}

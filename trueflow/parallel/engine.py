@@ -144,12 +144,25 @@ def _lora_names(family: ModelFamily, peft_state_dict: dict[str, torch.Tensor]) -
 
 def update_lora_tp(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
                    merge_mode: str | None = None) -> str:
-    """Install this rank's slice of a full PEFT LoRA (each rank takes its own; all or nothing, as `update_lora`).
-    Returns the checksum of what the rank's layers hold, read back (compare with `lora_shard_checksums`)."""
+    """Install this rank's slice of a full PEFT LoRA (each rank takes its own), all or nothing across the ranks:
+    every rank checks its slice, the ranks exchange their verdicts, and each applies only if no rank refused (a
+    value bound holds per slice, e.g. the merged weight's: one rank's slice may fail where another's passes). A
+    refusal raises the same ValueError on every rank, naming the ranks. Returns the checksum of what the rank's
+    layers hold, read back (compare with `lora_shard_checksums`)."""
     fam, tp = model.family, model.tp
     engine = fam.engine
-    part = shard_state_dict(fam.engine.tp_plan, peft_state_dict, tp.rank, tp.size)
-    engine.set_lora(model, engine.parse_peft_state_dict(part), scale, merge=resolve_lora_merge(model, merge_mode))
+    problem, args = None, None
+    try:
+        part = shard_state_dict(fam.engine.tp_plan, peft_state_dict, tp.rank, tp.size)
+        args = (engine.parse_peft_state_dict(part), scale, resolve_lora_merge(model, merge_mode))
+        engine.set_lora(model, *args, check_only=True)
+    except ValueError as e:
+        problem = str(e)
+    verdicts: list[str | None] = [None] * tp.size
+    dist.all_gather_object(verdicts, problem, group=tp.group)
+    if any(verdicts):
+        raise ValueError("; ".join(f"tp rank {r}: {v}" for r, v in enumerate(verdicts) if v))
+    engine.set_lora(model, *args)
     return tensors_checksum(lora_state(model))
 
 

@@ -117,11 +117,8 @@ class EngineActor:
         has this answer."""
         from ..engine.wire import load_handles
 
-        buckets, fields = load_handles(payload)
-        try:  # the engine copies out of the buffers, never keeps them
-            return self.engine.update_weights(buckets, fields["lora_scale"], fields["merge_mode"])
-        finally:
-            del buckets
+        buckets, fields = load_handles(payload)  # the engine copies out of the buffers, never keeps them
+        return self.engine.update_weights(buckets, fields["lora_scale"], fields["merge_mode"])
 
     def join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         self.group = weights_group(host, port, rank, size, backend, ray.util.get_node_ip_address())

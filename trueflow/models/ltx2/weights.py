@@ -58,7 +58,8 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     weight_map.load_weights(model, {k: v for k, v in state_dict.items() if not is_audio_only(k)}, NAMES)
 
 
-def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool) -> None:
+def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool,
+             check_only: bool = False) -> None:
     """`weight_map.set_lora` with LTX-2's names; adapters on audio-only modules are skipped (the isolated video
     output does not read them)."""
-    weight_map.set_lora(model, {k: v for k, v in lora.items() if not is_audio_only(k)}, scale, merge, NAMES)
+    weight_map.set_lora(model, {k: v for k, v in lora.items() if not is_audio_only(k)}, scale, merge, NAMES, check_only)

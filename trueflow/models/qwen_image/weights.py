@@ -44,6 +44,7 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     weight_map.load_weights(model, state_dict, NAMES)
 
 
-def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool) -> None:
+def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool,
+             check_only: bool = False) -> None:
     """`weight_map.set_lora` with Qwen-Image's names."""
-    weight_map.set_lora(model, lora, scale, merge, NAMES)
+    weight_map.set_lora(model, lora, scale, merge, NAMES, check_only)
