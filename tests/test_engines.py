@@ -79,3 +79,43 @@ def test_the_interface_calls_answer_alike(tiny_checkpoint, served):
     finally:
         own.shutdown()
         own.shutdown()  # a second call does nothing
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (an exited one left unreaped, a zombie, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_an_engine_process_leaves_when_its_client_is_killed(tiny_checkpoint):
+    """A trainer or server SIGKILLed never says "close": its idle engine process sees the parent gone and exits,
+    instead of holding the device's memory as an orphan."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids: list[int] = []
+    code = (f"from trueflow.sync.engine_process import EngineClient\n"
+            f"c = EngineClient({str(tiny_checkpoint)!r}, threads=1)\n"
+            f"print(*[p.pid for p in c.processes], flush=True)\n"
+            f"import time; time.sleep(120)\n")
+    client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in client.stdout.readline().split()]
+        assert pids and all(map(_running, pids))
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        deadline = time.monotonic() + 20
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, pids)), "the engine process outlived its killed client"
+    finally:
+        client.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -25,6 +25,8 @@ from ..rewards.base import RewardError
 from .checksum import tensors_checksum
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
 
+PARENT_POLL_S = 1.0  # how often an idle engine process checks that its client is still alive
+
 if TYPE_CHECKING:
     from ..engine.interface import RolloutRequest
     from ..engine.trajectory import Rollout
@@ -114,8 +116,16 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
 
 
 def _requests(engine, requests, replies, should_stop: Callable[[], bool]) -> None:
+    parent = mp.parent_process()
     while True:
-        op, payload = requests.get()
+        try:
+            op, payload = requests.get(timeout=PARENT_POLL_S)
+        except queue.Empty:
+            # A client killed without a word (SIGKILL, OOM) never sends "close": leave with it rather than hold the
+            # device's memory as an orphan.
+            if parent is not None and not parent.is_alive():
+                return
+            continue
         try:
             if op == "close":
                 replies.put(("ok", None))
