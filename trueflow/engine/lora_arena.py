@@ -21,11 +21,10 @@ import torch
 from torch import nn
 
 from ..layers.linear import Linear, LoraAdapter
-from ..sync.buckets import Bucket, aligned, pack, unpack
+from ..models.weight_map import MERGE_MARGIN
+from ..sync.buckets import Bucket, aligned, pack, tensor_bytes, unpack
 from ..sync.checksum import buckets_checksum, packed_in_order, tensors_checksum
 from . import weights
-
-_MERGE_MARGIN = 1 - 1e-3  # as weight_map's merged-weight bound: room for fp32 rounding in the merge's sums
 
 Layout = list[tuple[int, list[tuple[str, torch.dtype, tuple[int, ...], int]]]]
 
@@ -105,7 +104,7 @@ class LoraArena:
         s = abs(float(self.scale))
         limit = torch.finfo(dtype).max
         return bool(torch.isfinite(m).all() and torch.isfinite((s * b).to(dtype)).all()
-                    and (self.base_max + s * self.ranks * a * b <= limit * _MERGE_MARGIN).all())
+                    and (self.base_max + s * self.ranks * a * b <= limit * MERGE_MARGIN).all())
 
     @torch.no_grad()
     def install(self, buckets: list[Bucket]) -> None:
@@ -118,8 +117,7 @@ class LoraArena:
 
 def aligned_elems(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Elements a tensor takes in a bucket, its zero padding included (zeros leave a largest |value| unchanged)."""
-    size = dtype.itemsize
-    return aligned(torch.Size(shape).numel() * size) // size
+    return aligned(tensor_bytes(shape, dtype)) // dtype.itemsize
 
 
 def update_lora_packed(model: nn.Module, buckets: list[Bucket], scale: float, merge_mode: str | None = None) -> None:

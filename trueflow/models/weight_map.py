@@ -242,6 +242,9 @@ def _adapter(layer: Linear, A: torch.Tensor, B: torch.Tensor, scale: float) -> L
     return LoraAdapter(A.to(w.device, w.dtype, copy=True), B.to(w.device, w.dtype, copy=True), scale)
 
 
+MERGE_MARGIN = 1 - 1e-3  # of the merged-weight bound below the dtype's range: room for fp32 rounding in the merge's sums
+
+
 def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         return f"scale must be a number, got {type(scale).__name__}"
@@ -267,7 +270,7 @@ def _product_problem(name: str, dtype: torch.dtype, scale: float, a: float, b: f
         return (f"{name}.lora_B.weight × scale {scale:.4g} reaches {abs(scale) * b:.4g}, inf in "
                 f"{_dtype_name(dtype)} (largest finite {largest_finite:.4g})")
     bound = w + abs(scale) * rank * a * b
-    if not bound <= largest_finite * (1 - 1e-3):  # the margin covers fp32 rounding in the merge's sums
+    if not bound <= largest_finite * MERGE_MARGIN:
         return (f"{name}: the merged weight W + scale·B·A may reach {bound:.4g} (|W| + |scale|·rank·max|B|·"
                 f"max|A|), beyond {_dtype_name(dtype)}'s largest finite {largest_finite:.4g}")
     return None

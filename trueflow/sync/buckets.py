@@ -31,6 +31,11 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype` (a manifest entry), padding excluded."""
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
 def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
     """Pack into buckets of at most `max_bytes` (a group larger than that gets a bucket of its own)."""
     groups: dict[str, list[str]] = {}
@@ -92,6 +97,6 @@ def unpack(buckets: list[Bucket]) -> dict[str, torch.Tensor]:
     out = {}
     for b in buckets:
         for name, dtype, shape, off in b.manifest:
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            nbytes = tensor_bytes(shape, dtype)
             out[name] = b.buffer[off:off + nbytes].view(dtype).view(shape)
     return out

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .buckets import ALIGN, Bucket, aligned, unpack
+from .buckets import ALIGN, Bucket, aligned, tensor_bytes, unpack
 
 _COLS = 4096  # words per row
 _GROUP_BYTES = 64 << 20  # bytes concatenated at a time: bounds the int64 temporaries (2 x 128 MiB)
@@ -118,5 +118,5 @@ def packed_in_order(bucket: Bucket) -> bool:
     for _, dtype, shape, off in bucket.manifest:
         if off != offset:
             return False
-        offset += aligned(torch.Size(shape).numel() * dtype.itemsize)
+        offset += aligned(tensor_bytes(shape, dtype))
     return bucket.buffer.numel() == offset and bucket.buffer.dtype == torch.uint8
