@@ -8,6 +8,7 @@ pinned once here, for the whole session, before any test runs.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -164,3 +165,40 @@ def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dic
         sys.argv = argv
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
+
+
+# -- recorded runs ---------------------------------------------------------------------------------------------
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def assert_matches_recorded_run(run: Path, name: str) -> None:
+    """`run` (a finished `trueflow train` folder) reproduces the run recorded in tests/golden/NAME bit for bit: every
+    metrics line less its wall-clock times, and the final LoRA masters tensor by tensor. The recording was made by the
+    code at 7c92e73 (before the placement/layers/spec refactor) with `TRUEFLOW_RECORD_GOLDEN=1`, which writes instead
+    of comparing; a CPU of another instruction set may round bf16 GEMMs otherwise, so it is compared only on the
+    capability it was recorded on."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from trueflow.train.checkpoint import LORA_FILE, latest_checkpoint
+    from trueflow.train.metrics import TIMING_KEYS, read_metrics
+
+    rows = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(run / "metrics.jsonl")]
+    lora = load_file(str(latest_checkpoint(run) / LORA_FILE))
+    where = GOLDEN / name
+    capability = torch.backends.cpu.get_cpu_capability()
+    if os.environ.get("TRUEFLOW_RECORD_GOLDEN") == "1":
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "metrics.json").write_text(json.dumps({"cpu_capability": capability, "threads": TEST_THREADS,
+                                                        "rows": rows}, indent=1) + "\n")
+        save_file({k: v.contiguous() for k, v in lora.items()}, str(where / "lora.safetensors"))
+        return
+    recorded = json.loads((where / "metrics.json").read_text())
+    if recorded["cpu_capability"] != capability:
+        pytest.skip(f"{name} was recorded on a {recorded['cpu_capability']} CPU, this one is {capability}")
+    assert rows == recorded["rows"], f"{name}: the metrics differ from the recorded run"
+    expected = load_file(str(where / "lora.safetensors"))
+    assert sorted(lora) == sorted(expected), f"{name}: other LoRA tensors than the recorded run's"
+    for k in expected:
+        assert_bitwise(lora[k], expected[k], f"{name}: {k}")

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import replay_snapshot_step
+from conftest import assert_matches_recorded_run, replay_snapshot_step
 from trueflow.cli import main
 from trueflow.train.config import TrainConfig
 from trueflow.train.metrics import read_metrics
@@ -89,6 +89,7 @@ def test_train_is_bitwise_at_every_step(ltx, tmp_path):
         assert r["model_output_max_abs_diff"] == 0.0 and r["log_prob_max_abs_diff"] == 0.0, r
         assert r["lora_update_norm"] > 0 and r["checksums_equal"]
     assert cfg.rollout_patch_group == "ltx" and cfg.fsdp_attention_backend == "native"  # the family's pairing
+    assert_matches_recorded_run(tmp_path / "run", "ltx2_train")
     assert read_frames(tmp_path / "run" / "samples" / "rollout-00000-p0.mp4").shape == (9, 64, 64, 3)
     with safe_open(str(tmp_path / "run" / "snapshots" / "rollout-00000.safetensors"), "pt") as f:
         meta = json.loads(f.metadata()["trueflow"])

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import assert_matches_recorded_run
 from trueflow.train.config import ParityConditionWarning, TrainConfig, config_from_argv
 from trueflow.train.dist import free_port
 from trueflow.train.metrics import TIMING_KEYS, read_metrics
@@ -66,6 +67,7 @@ def embedded_run(tiny_checkpoint, tmp_path_factory):
 def test_embedded_run_is_bitwise_at_every_step(embedded_run):
     out, rows = embedded_run
     assert_bitwise_run(rows, 3)
+    assert_matches_recorded_run(out, "qwen_image_embedded")
     assert len({r["trainer_checksum"] for r in rows}) == 3, "each sync carried new weights"
     summary = (out / "summary.md").read_text()
     assert "exactly 0.0 at every step" in summary and (out / "reward_curve.png").is_file()
