@@ -5,7 +5,7 @@
 
 This process is the trainer: it holds the bf16 compute copy of the full-size Qwen-Image transformer (seeded random
 weights, diffusers names) and a LoRA. A spawned process is the engine, reduced to what a weight update touches:
-the engine transformer alone (`sync/engine_process.py` builds a whole `Engine` from a pipeline folder, which a
+the engine transformer alone (`placement/process.py` builds a whole `Engine` from a pipeline folder, which a
 benchmark of random weights has not got). Buckets (`sync/buckets.py`: one flat buffer and a manifest each) cross
 as CUDA IPC handles through a `torch.multiprocessing` queue; no tensor data goes through the pipe. Every row is
 timed from the first byte packed to the engine's checksum (`sync/checksum.py`) of what it now holds, read back
@@ -18,7 +18,7 @@ Rows:
                     engine's checksum of all its weights
     lora_unmerged   LoRA A/B of --rank on the attention + MLP targets (12 per block, the trainer's default), packed
                     as `EngineClient` packs them (`sync.buckets.BucketPacker`: 512 MiB buckets, refilled in place)
-                    and installed as `engine_process` does (`engine.lora_arena.update_lora_packed`), kept unmerged
+                    and installed as an engine process does (`engine.lora_arena.update_lora_packed`), kept unmerged
                     (parity mode): after the warm-up, a same-layout update checked off the buckets and copied into
                     the arena the adapters view; then the LoRA checksum (off the arena's buffers). The trainer's
                     checksum is `Trainer._sync`'s (`tensors_checksum` of the tensors it sent). Two LoRAs alternate,

@@ -15,7 +15,8 @@ from diffusers.models.attention_dispatch import attention_backend
 from conftest import BF16, assert_bitwise, assert_differs, pipeline_timestep, randn
 from trueflow.engine.interface import RolloutRequest
 from trueflow.collate import collate_text, warn_if_masked
-from trueflow.engine.engine import Engine, SamplingParams
+from trueflow.engine.engine import Engine
+from trueflow.engine.sampling_params import SamplingParams
 from trueflow.engine.guidance import true_cfg
 from trueflow.engine.samplers import cps_log_prob, sde_log_prob
 from trueflow.models.qwen_image.train import model_timestep

@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trueflow.placement import EngineSpec
 from trueflow.engine.engine import Engine
-from trueflow.engine.http_engine import HttpEngine
-from trueflow.engine.interface import RolloutRequest, ScoredEngine
+from trueflow.placement.http import HttpEngine
+from trueflow.engine.interface import RolloutRequest
+from trueflow.placement.scored import ScoredEngine
 from trueflow.engine.sampling_params import SamplingParams
-from trueflow.engine.server import Limits, create_app
+from trueflow.server import Limits, create_app
 from trueflow.http import serve_in_thread
 from trueflow.rewards.base import build_reward
 from trueflow.sync.checksum import tensors_checksum
-from trueflow.sync.engine_process import EngineClient
+from trueflow.placement.process import EngineClient
 from trueflow.train.metrics import read_metrics
 from trueflow.train.run import run_training
 
@@ -61,7 +63,7 @@ def test_the_interface_calls_answer_alike(tiny_checkpoint, served):
     lora = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((2, 64), 0.01, dtype=torch.bfloat16),
             "transformer_blocks.0.attn.to_q.lora_B.weight": torch.full((64, 2), 0.02, dtype=torch.bfloat16)}
     request = RolloutRequest(["a red apple"], 2, SamplingParams(steps=2, sampler="sde", cfg_scale=1.0), seed=3)
-    local, own = Engine(tiny_checkpoint, "qwen_image"), EngineClient(str(tiny_checkpoint), "qwen_image")
+    local, own = Engine(tiny_checkpoint, "qwen_image"), EngineClient(EngineSpec(str(tiny_checkpoint), "qwen_image"))
     try:
         engines = {"local": local, "own": own, "http": HttpEngine(served)}
         for name, engine in engines.items():
@@ -100,8 +102,8 @@ def test_an_engine_process_leaves_when_its_client_is_killed(tiny_checkpoint):
     import time
 
     pids: list[int] = []
-    code = (f"from trueflow.sync.engine_process import EngineClient\n"
-            f"c = EngineClient({str(tiny_checkpoint)!r}, threads=1)\n"
+    code = (f"from trueflow.placement import EngineSpec\nfrom trueflow.placement.process import EngineClient\n"
+            f"c = EngineClient(EngineSpec({str(tiny_checkpoint)!r}, threads=1))\n"
             f"print(*[p.pid for p in c.processes], flush=True)\n"
             f"import time; time.sleep(120)\n")
     client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -155,14 +155,14 @@ def test_disaggregated_one_engine(ray_run, tiny_checkpoint, tmp_path, request, t
 BROADCAST_TO_A_DEAD_ENGINE = """
 import os, sys, time
 import ray, torch
-from trueflow.ray.actors import BroadcastEngine, EngineActor, weights_group
+from trueflow.placement import EngineSpec
+from trueflow.placement.ray import BroadcastEngine, EngineActor, weights_group
 from trueflow.train.dist import free_port
 
 checkpoint, temp = sys.argv[1:]
 ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp, log_to_driver=False)
 engine = EngineActor.options(name="engine-0").remote()
-ray.get(engine.load.remote(dict(checkpoint=checkpoint, patch_group="qwen_image", dtype=torch.bfloat16), "cpu", 1,
-                           os.getcwd()))
+ray.get(engine.load.remote(EngineSpec(checkpoint, "qwen_image", threads=1), os.getcwd()))
 port = free_port()
 joined = engine.join_weights_group.remote("127.0.0.1", port, 1, 2, "gloo")
 client = BroadcastEngine(engine, "engine-0", [("engine-0", engine)],
@@ -194,6 +194,46 @@ def test_broadcast_to_a_dead_engine_names_it(tiny_checkpoint, tmp_path_factory):
     line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-3000:]
     assert line.startswith("ActorDied after ") and "the Ray engine actor engine-0 died" in line, line
     assert float(line.split()[2]) < 10, line
+
+
+STOP_A_RAY_ROLLOUT = """
+import os, sys
+import ray
+from trueflow.engine.interface import RolloutCancelled, RolloutRequest
+from trueflow.engine.sampling_params import SamplingParams
+from trueflow.placement import EngineSpec
+from trueflow.placement.ray import EngineActor, RayEngine
+
+checkpoint, temp = sys.argv[1:]
+ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp, log_to_driver=False)
+actor = EngineActor.options(name="engine-0").remote()
+ray.get(actor.load.remote(EngineSpec(checkpoint, "qwen_image", threads=1), os.getcwd()))
+engine = RayEngine(actor, "engine-0")
+request = RolloutRequest(["a red apple"], 2, SamplingParams(steps=100, cfg_scale=1.0), seed=1)
+asked = []
+try:
+    engine.rollout(request, lambda: asked.append(1) or len(asked) > 1)  # asked at once, then after STOP_POLL_S
+    print("not stopped", flush=True)
+except RolloutCancelled as e:
+    print(f"cancelled: {e}", flush=True)
+print("after:", engine.rollout(RolloutRequest(["a red apple"], 2, SamplingParams(steps=2, cfg_scale=1.0), seed=1),
+                               lambda: False).images.shape[0], flush=True)
+ray.shutdown()
+"""
+
+
+def test_a_ray_engine_rollout_stops_when_its_caller_says_so(tiny_checkpoint, tmp_path_factory):
+    """`should_stop` reaches an engine actor mid-rollout (its `stop` runs beside the rollout), and the actor serves
+    the next rollout."""
+    temp = tmp_path_factory.mktemp("s")
+    try:
+        proc = subprocess.run([sys.executable, "-c", STOP_A_RAY_ROLLOUT, str(tiny_checkpoint), str(temp)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("cancelled: stopped before step"), proc.stdout + proc.stderr[-3000:]
+    assert lines[1] == "after: 2", lines
 
 
 @pytest.mark.parametrize("flags, fix", [

@@ -24,17 +24,18 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from test_server import NO_LORA, assert_same_rollout, checksums, make_lora, serve_subprocess
 from test_server_shutdown import LONG
+from trueflow.placement import EngineSpec
 from trueflow.cli import main
 from trueflow.engine import wire
 from trueflow.engine.interface import RolloutRequest
 from trueflow.engine.sampling_params import SamplingParams
 from trueflow.parallel import engine as parallel_engine
-from trueflow.engine.server import push_lora, remote_rollout
+from trueflow.placement.http import push_lora, remote_rollout
 from trueflow.http import MSGPACK
 from trueflow.models import get_family
 from trueflow.parallel.engine import lora_shard_checksums
 from trueflow.sync.checksum import tensors_checksum
-from trueflow.sync.engine_process import EngineClient
+from trueflow.placement.process import EngineClient
 
 from conftest import BF16, assert_differs
 
@@ -65,7 +66,7 @@ def alive(pid: int) -> bool:
 def test_serve_tp2_rollouts_lora_refusals_and_shutdown(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(parallel_engine, "_GATE_SAID", False)  # said once per process: maybe by an earlier test
     with pytest.warns(UserWarning, match="TP gate"):
-        reference = EngineClient(str(tiny_checkpoint), "qwen_image", threads=1, tp=2)
+        reference = EngineClient(EngineSpec(str(tiny_checkpoint), "qwen_image", threads=1), tp=2)
     try:
         with serve_subprocess(tiny_checkpoint, *SERVE) as (url, proc):
             health = httpx.get(f"{url}/health").json()
@@ -145,7 +146,7 @@ def test_health_says_failed_once_an_engine_process_has_died(tiny_checkpoint):
     """A dead rank fails every engine call: /health says so (503), as a load balancer needs to see."""
     from fastapi.testclient import TestClient
 
-    from trueflow.engine.server import create_app
+    from trueflow.server import create_app
 
     class Ranks:  # the part of EngineClient the health reads: what it runs, and its processes
         processes = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]

@@ -28,8 +28,10 @@ from safetensors.torch import save_file
 from conftest import BF16, TEST_THREADS, TRUEFLOW_EXE, assert_bitwise, assert_differs, randn
 from trueflow.engine.interface import RolloutRequest
 from trueflow.engine import wire
-from trueflow.engine.engine import Engine, SamplingParams
-from trueflow.engine.server import Limits, ServerError, create_app, push_lora, push_weights, remote_rollout
+from trueflow.engine.engine import Engine
+from trueflow.engine.sampling_params import SamplingParams
+from trueflow.placement.http import ServerError, push_lora, push_weights, remote_rollout
+from trueflow.server import Limits, create_app
 from trueflow.engine.trajectory import Microgroup, Rollout, StepRecord
 from trueflow.http import MSGPACK, serve_in_thread
 from trueflow.loading import read_transformer_state_dict

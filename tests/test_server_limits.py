@@ -15,8 +15,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from trueflow.cli import build_parser, main
-from trueflow.engine.engine import Engine, SamplingParams
-from trueflow.engine.server import Limits, RequestError, RolloutBody, create_app
+from trueflow.engine.engine import Engine
+from trueflow.engine.sampling_params import SamplingParams
+from trueflow.server import Limits, RequestError, create_app
+from trueflow.server.bodies import RolloutBody
 from trueflow.http import MSGPACK, serve_in_thread
 
 LIMITS = Limits(max_steps=3, max_pixels=32 * 48, max_frames=1, max_prompt_tokens=6, max_samples=2, max_queue=16,

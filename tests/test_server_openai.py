@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from trueflow.engine.engine import Engine
-from trueflow.engine.server import Limits, create_app
+from trueflow.server import Limits, create_app
 from trueflow.http import serve_in_thread
 
 

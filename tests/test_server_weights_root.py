@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from conftest import randn
 from trueflow.engine.engine import Engine
-from trueflow.engine.server import create_app
+from trueflow.server import create_app
 from trueflow.http import serve_in_thread
 from trueflow.sync.checksum import tensors_checksum
 

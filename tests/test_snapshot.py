@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from conftest import assert_bitwise, replay_snapshot_step
 from trueflow.engine.interface import RolloutRequest
 from trueflow.cli import main
-from trueflow.engine.engine import Engine, SamplingParams
+from trueflow.engine.engine import Engine
+from trueflow.engine.sampling_params import SamplingParams
 from trueflow.engine.samplers import sde_log_prob
 from trueflow.engine.snapshot import save_snapshot
 

@@ -7,13 +7,14 @@ import warnings
 
 import pytest
 
+from trueflow.placement import EngineSpec
 from trueflow.cli import main
 from trueflow.parallel import engine as parallel_engine
 from trueflow.engine.engine import Engine
 from trueflow.engine.interface import RolloutRequest
 from trueflow.engine.sampling_params import SamplingParams
 from trueflow.sync.checksum import tensors_checksum
-from trueflow.sync.engine_process import EngineClient
+from trueflow.placement.process import EngineClient
 from trueflow.train.config import ParityConditionWarning, TrainConfig
 from trueflow.train.metrics import read_metrics
 from trueflow.train.run import run_training
@@ -29,7 +30,7 @@ def test_a_tp_engine_answers_as_the_interface_with_each_slice_confirmed(tiny_che
     request = RolloutRequest(["a red apple"], 2, SamplingParams(steps=2, sampler="sde", cfg_scale=1.0), seed=3)
     monkeypatch.setattr(parallel_engine, "_GATE_SAID", False)  # said once per process: maybe by an earlier test
     with pytest.warns(UserWarning, match="TP gate: --tp 2 under --patch-group qwen_image"):
-        tp = EngineClient(str(tiny_checkpoint), "qwen_image", tp=2, threads=1)
+        tp = EngineClient(EngineSpec(str(tiny_checkpoint), "qwen_image", threads=1), tp=2)
     try:
         assert tp.health()["tp"] == 2
         assert tp.update_weights(LORA, 1.0, "unmerged") == tensors_checksum(LORA) == tp.checksum()

@@ -10,10 +10,11 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from trueflow.placement import EngineSpec
 from trueflow import loading
-from trueflow.engine import http_engine
+from trueflow.placement import http as http_engine
 from trueflow.engine.engine import Engine
-from trueflow.engine.http_engine import HttpEngine
+from trueflow.placement.http import HttpEngine
 from trueflow.engine.weights import load_engine_transformer
 from trueflow.models.ltx2.weights import NAMES, is_audio_only
 from trueflow.models.weight_map import expected_tensors
@@ -96,11 +97,11 @@ def test_a_lora_refused_by_one_tp_rank_is_applied_by_none(tiny_checkpoint):
     every rank still holds the LoRA before it (the client's checksum confirms each rank's slice)."""
     import warnings
 
-    from trueflow.sync.engine_process import EngineClient, EngineRequestRefused
+    from trueflow.placement.process import EngineClient, EngineRequestRefused
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TP gate
-        client = EngineClient(str(tiny_checkpoint), "qwen_image", threads=1, tp=2)
+        client = EngineClient(EngineSpec(str(tiny_checkpoint), "qwen_image", threads=1), tp=2)
     try:
         g = torch.Generator().manual_seed(0)
         q = "transformer_blocks.0.attn.to_q"

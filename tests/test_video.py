@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trueflow.engine.interface import RolloutRequest, ScoredEngine
+from trueflow.engine.interface import RolloutRequest
+from trueflow.placement.scored import ScoredEngine
 from trueflow.engine.sampling_params import SamplingParams
 from trueflow.engine.trajectory import Rollout
 from trueflow.video import frame_indices, read_frames, write_mp4, write_strip
@@ -27,7 +28,7 @@ class _Videos:
     def __init__(self, videos: torch.Tensor):
         self.videos = videos
 
-    def rollout(self, request: RolloutRequest) -> Rollout:
+    def rollout(self, request: RolloutRequest, should_stop=None) -> Rollout:
         return Rollout(request.prompts, request.n_per_prompt, request.params, request.seed, [], self.videos, {})
 
 

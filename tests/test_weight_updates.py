@@ -13,13 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import BF16, randn
+from trueflow.placement import EngineSpec
 from trueflow.engine.interface import RolloutRequest
-from trueflow.engine.engine import Engine, SamplingParams
+from trueflow.engine.engine import Engine
+from trueflow.engine.sampling_params import SamplingParams
 from trueflow.layers.linear import Linear
 from trueflow.loading import read_transformer_state_dict
 from trueflow.models.qwen_image.weights import map_module_name
 from trueflow.sync.buckets import pack, unpack
-from trueflow.sync.engine_process import EngineClient, EngineRequestRefused
+from trueflow.placement.process import EngineClient, EngineRequestRefused
 
 PARAMS = SamplingParams(steps=2, height=16, width=16, cfg_scale=1.0)
 Q = "transformer_blocks.0.attn.to_q"  # attention, a slot of the packed q/k/v weight (where the audit saw it)
@@ -206,7 +208,7 @@ def test_updates_from_files_and_buckets_are_refused_alike(engine, tiny_checkpoin
 
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint):
-    c = EngineClient(str(tiny_checkpoint))
+    c = EngineClient(EngineSpec(str(tiny_checkpoint)))
     yield c
     c.shutdown()
 

@@ -8,7 +8,8 @@ import os
 import sys
 import warnings
 
-from .options import DTYPES, add_engine_options, add_sampling_options, torch_dtype
+from .dtypes import DTYPES, torch_dtype
+from .options import add_engine_options, add_sampling_options
 
 
 # -- init-checkpoint -----------------------------------------------------------------------------------------
@@ -122,27 +123,21 @@ def _run_generate(a: argparse.Namespace) -> int:
 
     from PIL import Image
 
-    from .engine.engine import Engine, RolloutRequest, SamplingParams
+    from .engine.request import RolloutRequest
+    from .engine.sampling_params import SamplingParams
     from .engine.snapshot import save_snapshot
-    from .options import torch_dtype
+    from .placement import build_engine
     from .video import write_mp4, write_strip
 
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
                             num_frames=a.num_frames, fps=a.fps)
     request = RolloutRequest([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None)
-    if a.tp != 1:
-        from .sync.engine_process import EngineClient
-
-        engine = EngineClient(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device, torch_dtype(a.dtype),
-                              tp=a.tp)
-        try:
-            rollout = engine.rollout(request)
-        finally:
-            engine.shutdown()
-    else:
-        rollout = Engine(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.device,
-                         torch_dtype(a.dtype)).rollout(request, progress=sys.stderr.isatty())
+    engine = build_engine(*_engine_placement(a, progress=sys.stderr.isatty()))
+    try:
+        rollout = engine.rollout(request)
+    finally:
+        engine.shutdown()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(rollout.images):
@@ -301,7 +296,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "checkpoints weight updates may name by path (default: none; path updates are refused)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each (on CUDA "
                    "rank r on GPU r; docs/tensor-parallel.md; default: 1, in this process)")
-    # The defaults are `engine.server.Limits`' (a test keeps them equal; importing it here would load torch).
+    # The defaults are `server.Limits`' (a test keeps them equal; importing it here would load torch).
     for flags, dest, kind, default, what in [
             (("--max-steps",), "max_steps", int, 100, "most denoising steps per sample"),
             (("--max-pixels",), "max_pixels", int, 2048 * 2048, "most pixels (height x width) of one image frame"),
@@ -317,18 +312,14 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(a: argparse.Namespace) -> int:
-    import os
-
     import torch
 
-    from .engine.server import Limits, serve
+    from .server import Limits, serve
 
     limits = Limits(a.max_steps, a.max_pixels, a.max_frames, a.max_prompt_tokens, a.max_samples, a.max_queue,
                     a.request_timeout)  # checked before the engine loads
     if a.weights_root is not None and not os.path.isdir(a.weights_root):
         raise FileNotFoundError(f"--weights-root {a.weights_root}: no such folder")
-    if a.tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {a.tp}")
     if a.tp > 1 and a.device.startswith("cuda"):  # rank r takes GPU r
         if a.device != "cuda":
             raise ValueError(f"--tp {a.tp} takes --device cuda (rank r runs on GPU r), not --device {a.device}: "
@@ -338,10 +329,17 @@ def _run_serve(a: argparse.Namespace) -> int:
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     # --seed: the seed of OpenAI-style requests that name none (rollout requests always carry their own)
-    serve(a.checkpoint, host=a.host, port=a.port, patch_group=a.patch_group, disabled_patches=tuple(a.disable_patch),
-          device=a.device, dtype=torch_dtype(a.dtype), limits=limits, default_seed=a.seed,
-          weights_root=a.weights_root, tp=a.tp)
+    serve(*_engine_placement(a, threads=torch.get_num_threads()), host=a.host, port=a.port, limits=limits,
+          default_seed=a.seed, weights_root=a.weights_root)
     return 0
+
+
+def _engine_placement(a: argparse.Namespace, **spec: object) -> tuple:
+    """(EngineSpec, Placement) of a verb's engine options: in this process, or over `--tp` processes of its own."""
+    from .placement import EngineSpec, Placement
+
+    engine = EngineSpec(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.dtype, a.device, **spec)
+    return engine, Placement("process" if a.tp > 1 else "local", tp=a.tp)
 
 
 VERBS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-DTYPES = ("bf16", "fp32")
+from .dtypes import DTYPES
 
 
 def add_engine_options(p: argparse.ArgumentParser, default_patch_group: str = "none") -> None:
@@ -26,8 +26,3 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise-level", type=float, default=0.7, help="SDE/CPS noise level a (default: 0.7)")
     p.add_argument("--cfg-scale", type=float, default=4.0, help="true-CFG scale (default: 4.0)")
 
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]

@@ -16,7 +16,6 @@ import json
 import math
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,17 +28,14 @@ from ..loading import CheckpointError
 from ..models import family_for_checkpoint
 from ..sync.buckets import Bucket, unpack
 from . import weights
-from .interface import RolloutRequest
-from .model_runner import ModelRunner, RolloutCancelled
-from .sampling_params import SAMPLERS, SamplingParams, check_family_limits
+from .interface import RolloutRequest, StopCheck
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams, check_family_limits
 from .samplers import draw_sde_window
 from .trajectory import Rollout
 
 if TYPE_CHECKING:
     from ..parallel.comm import TPGroup
-
-__all__ = ["SAMPLERS", "Engine", "RolloutCancelled", "RolloutRequest", "SamplingParams", "derive_seed"]
-
 
 # Random streams, kept apart: the noise of one sample, the SDE window of one microgroup.
 _NOISE_STREAM, _WINDOW_STREAM = 0, 1
@@ -58,11 +54,12 @@ class Engine:
     transformer's forwards replay CUDA graphs (one per shape, bitwise equal to eager; `cuda_graphs=False` runs
     eagerly). `family` names the family where the folder's model_index.json does not. `tp`: this process is one
     rank of a tensor-parallel engine (`parallel.comm.TPGroup`): its transformer holds the rank's shard of the
-    family's plan, loaded from rank 0's copy; every rank runs the same calls (`sync.engine_process` drives them)."""
+    family's plan, loaded from rank 0's copy; every rank runs the same calls (`placement.process` drives them).
+    `progress`: every rollout shows a tqdm bar over its denoising steps on stderr."""
 
     def __init__(self, checkpoint: str | Path, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, cuda_graphs: bool = True,
-                 family: str | None = None, tp: TPGroup | None = None):
+                 family: str | None = None, tp: TPGroup | None = None, progress: bool = False):
         root = Path(checkpoint)
         self.family = fam = family_for_checkpoint(root, family)
         for sub in fam.pipeline.folders:
@@ -72,6 +69,7 @@ class Engine:
                                       f"writes one)")
         self.checkpoint, self.device, self.dtype = str(root), torch.device(device), dtype
         self.patch_group, self.disabled_patches = patch_group, tuple(disabled_patches)
+        self.progress = progress
         if tp is None:
             self.transformer = weights.load_engine_transformer(root, self.device, dtype, patch_group,
                                                                disabled_patches, family=fam.name)
@@ -137,13 +135,12 @@ class Engine:
 
     # -- rollout -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, request: RolloutRequest, progress: bool = False,
-                should_stop: Callable[[], bool] | None = None) -> Rollout:
+    def rollout(self, request: RolloutRequest, should_stop: StopCheck | None = None) -> Rollout:
         """`request.n_per_prompt` samples of each prompt, microgroup by microgroup, prompt-major.
 
         `request.record_snapshot` keeps each step's debug data (branch outputs, SDE mean/std/noise) for
-        `snapshot.save_snapshot`; `progress` shows a tqdm bar over denoising steps on stderr; `should_stop` is
-        called before every denoising step, and a true answer raises `RolloutCancelled` (a server's client left).
+        `snapshot.save_snapshot`; `should_stop` is called before every denoising step, and a true answer raises
+        `interface.RolloutCancelled` (a server's client left).
         """
         t0 = time.perf_counter()
         prompts, n_per_prompt, params, seed = request.prompts, request.n_per_prompt, request.params, request.seed
@@ -160,7 +157,7 @@ class Engine:
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         negative = self._encode(params.negative_prompt, params) if params.cfg else None
         microgroups, images = [], []
-        with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not progress, unit="step") as bar:
+        with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not self.progress, unit="step") as bar:
             for p, prompt in enumerate(prompts):
                 positive = self._encode(prompt, params)
                 g = request.first_prompt + p  # the global prompt index: what the random streams follow

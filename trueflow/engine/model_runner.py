@@ -22,13 +22,10 @@ from . import weights
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
 from .cuda_graph import GraphedForward
 from .guidance import true_cfg
+from .interface import RolloutCancelled
 from .sampling_params import SamplingParams
 from .samplers import cps_step, ode_step, sample_noise, sde_step
 from .trajectory import Microgroup, StepRecord
-
-
-class RolloutCancelled(Exception):
-    """A rollout stopped between denoising steps because its `should_stop` said so; nothing is returned."""
 
 
 class ModelRunner:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..models import default_family
-from ..models.spec import ModelFamily
+if TYPE_CHECKING:  # a leaf: the wire format and the HTTP client read it without loading a family
+    from ..models.spec import ModelFamily
 
 SAMPLERS = ("ode", "sde", "cps")
-# The default family's text-encoder window: the server's default and largest prompt-token limit (its limits do not
-# follow the engine's family yet: G1 phase 2).
-TOKENIZER_MAX_LENGTH = default_family().pipeline.max_text_tokens
 
 
 @dataclass

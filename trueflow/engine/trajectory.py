@@ -66,6 +66,6 @@ class Rollout:
     images: torch.Tensor | None  # uint8 [P * n, H, W, 3] (video: [P * n, F, H, W, 3]) prompt-major; None: decode=False
     engine: dict  # checkpoint, patch group, patches applied, dtype, device (and weights checksum in snapshots)
     first_prompt: int = 0  # the global index of prompts[0] (a data-parallel share): what the random streams follow
-    rewards: torch.Tensor | None = None  # float32 [P * n], NaN where dropped; set by a `ScoredEngine`
+    rewards: torch.Tensor | None = None  # float32 [P * n], NaN where dropped; set by a scored placement
     dropped: list[int] | None = None  # samples whose prompt group the reward dropped
     times: dict[str, float] = field(default_factory=dict)  # seconds: "rollout" (the engine's), "reward"

@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp  # importing it registers torch's reductions with ForkingPickler
 
 from ..sync.buckets import Bucket
-from .engine import SamplingParams
+from .sampling_params import SamplingParams
 from .trajectory import Microgroup, Rollout, StepRecord
 
 FORMAT = "trueflow-rollout/2"  # /2: a microgroup's `grid` and named conditioning (`cond`, `negative_cond`)

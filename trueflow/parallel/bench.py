@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..dtypes import torch_dtype
 from ..engine.weights import update_lora
 from ..models import get_family
 from ..patches import apply_patch_group
@@ -73,7 +74,7 @@ def _rank(rank: int, a: argparse.Namespace, port: int, queue) -> None:
     try:
         family = get_family(a.family)
         config = family.presets.transformer_config(a.size)
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        dtype = torch_dtype(a.dtype)
         inputs = family.probe_inputs(config, a.batch, a.text_len, a.resolution, dtype, a.seed, device)
         lora = _lora(family, config, a.lora_rank, a.seed) if a.lora_rank else None
         report = {}

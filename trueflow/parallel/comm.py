@@ -9,11 +9,12 @@ in the tensors' dtype, the same on every rank and the same as the TP-matched tra
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from ..net import free_port
 
 
 @dataclass
@@ -22,12 +23,6 @@ class TPGroup:
     size: int
     group: dist.ProcessGroup | None = None  # None: the default group
     collectives: int = field(default=0)  # collectives issued so far (a test counts them per forward)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_tp(rank: int, size: int, port: int, device: torch.device) -> TPGroup:

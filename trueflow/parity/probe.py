@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import loading
+from ..dtypes import torch_dtype
 from ..engine.weights import build_engine_transformer, update_lora
 from ..models import family_for_checkpoint, family_for_config, get_family
 from ..models.spec import ModelFamily
@@ -37,7 +38,7 @@ class ProbeSpec:
     family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
 
     def torch_dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+        return torch_dtype(self.dtype)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Ray placement of a training run (`trueflow train --ray`, docs/scaling.md): trainer ranks and rollout engines as
-Ray actors in one placement group. `launch.run_ray` is the driver; `actors` holds the actors and the client that
-puts an engine actor behind the one engine interface (`engine.interface.RolloutEngine`)."""
+Ray actors in one placement group. `launch.run_ray` is the driver; `actors` holds the trainer ranks; their engine and
+reward actors are placements (`trueflow.placement.ray`)."""
 
 
 class RayRunError(RuntimeError):

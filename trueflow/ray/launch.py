@@ -102,7 +102,8 @@ def _place_and_run(cfg: TrainConfig) -> Path:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .actors import EngineActor, RewardActor, TrainerActor, death_reason, engine_name, reward_name, trainer_name
+    from ..placement.ray import EngineActor, RewardActor, death_reason, engine_name, reward_name, trainer_name
+    from .actors import TrainerActor
 
     trainers, engines = cfg.ray_ranks()
     gpu = torch.device(cfg.device).type == "cuda"

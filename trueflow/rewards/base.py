@@ -331,3 +331,19 @@ def score(reward: Reward, images: torch.Tensor, prompts: Sequence[str], on_error
     log.warning("reward %r: dropped %d prompt group(s) (%d samples): %s", name, len(failures), len(dropped),
                 "; ".join(str(e) for e in failures.values()))
     return scores, dropped
+
+
+def score_samples(reward: Reward, samples: torch.Tensor, prompts: Sequence[str], on_error: str = "raise",
+                  frames: int = 1) -> tuple[torch.Tensor, list[int]]:
+    """`score` for a rollout's samples: images `[N, H, W, 3]` as they are, videos `[N, F, H, W, 3]` by the image
+    reward on `frames` evenly spread frames (first and last included), averaged; a prompt dropped on any frame is
+    dropped. What every placement's scoring calls (the trainer's, an engine process's, a Ray reward actor's)."""
+    if samples.ndim == 4:
+        return score(reward, samples, prompts, on_error=on_error)
+    from ..video import frame_indices
+
+    per_frame = [score(reward, samples[:, f].contiguous(), prompts, on_error=on_error)
+                 for f in frame_indices(samples.shape[1], frames)]
+    # A dropped group is NaN in its frames' scores, so the mean keeps it NaN (out of the statistics).
+    return (torch.stack([r for r, _ in per_frame]).mean(0),
+            sorted({i for _, dropped in per_frame for i in dropped}))

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..net import free_port
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for a process group's store)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(device: str) -> DistContext:

@@ -7,18 +7,14 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
+from ..placement import EngineSpec, Placement, RewardSpec, build_engine
 from . import checkpoint as ckpt
 from .config import TrainConfig, resume_changes
 from .dist import init_distributed
 from .prompts import load_prompts
-
-if TYPE_CHECKING:
-    from ..engine.interface import RolloutEngine
 
 DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
@@ -91,7 +87,7 @@ def run_training(cfg: TrainConfig) -> Path | None:
         _ensure_checkpoint(cfg, ctx.is_main)
         if ctx.world > 1:
             dist.barrier()
-        engine = _start_engine(cfg, {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype], ctx.device)
+        engine = build_engine(*engine_placement(cfg, ctx.device))
         from .trainer import Trainer
 
         Trainer(cfg, ctx, engine, resumed).run()
@@ -113,62 +109,29 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def _start_engine(cfg: TrainConfig, dtype: torch.dtype, device: torch.device) -> RolloutEngine:
-    """This rank's engine, scored: in this process, in its own process (which may also hold the reward), a
-    `trueflow serve` server (`--engine-url`, one per rank), or an engine actor of a Ray run (`--ray`)."""
-    from ..engine.interface import ScoredEngine
-    from ..rewards.base import build_reward
-    from ..sync.engine_process import EngineClient
-
-    where = dict(checkpoint=cfg.checkpoint, patch_group=cfg.engine_patch_group(),
-                 disabled_patches=tuple(cfg.disable_patch), dtype=dtype, family=cfg.family)
+def engine_placement(cfg: TrainConfig, device: torch.device) -> tuple[EngineSpec, Placement]:
+    """This rank's engine as the placement factory takes it: what it runs (this run's checkpoint, patch group, dtype
+    and CPU threads, parity condition 9) and where (in this process, in its own process(es) under `--tp`, a
+    `trueflow serve` server per rank, or a Ray engine actor), scored by the run's reward where `--reward-placement`
+    says."""
+    spec = EngineSpec(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), cfg.dtype, str(device),
+                      cfg.family, threads=torch.get_num_threads())
+    reward = RewardSpec(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
+                        cfg.reward_frames)
+    at = {"trainer": "caller", "engine": "engine", "actor": "actor"}[cfg.reward_placement]
     if cfg.tp > 1 and dist.get_world_size() > 1:
         raise ValueError(f"--tp {cfg.tp} takes one trainer rank (each rank's engine would claim the same devices); "
                          f"run --tp with a single process, or data-parallel ranks with --tp 1")
-    process = dict(device=str(device), threads=torch.get_num_threads(), tp=cfg.tp,  # an engine of its own
-                   tp_matched=cfg.train_tp_match == cfg.tp)
-    if cfg.engine_process and cfg.reward_placement == "engine":  # scored in the engine process
-        return EngineClient(**where, **process,
-                            reward=(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
-                                    cfg.reward_frames))
-    if cfg.ray and cfg.reward_placement == "actor":  # scored by this rank's reward actor
-        from ..ray.actors import connect_engine
-
-        return connect_engine(cfg, where, device, scored=True)
-    reward = build_reward(cfg.reward, cfg.reward_model, str(device), url=cfg.reward_url)  # a bad spec fails fast
     if cfg.ray:
-        from ..ray.actors import connect_engine
-
-        engine = connect_engine(cfg, where, device)
-    elif cfg.engine_process:
-        engine = EngineClient(**where, **process)
-    elif cfg.engine_url:
-        from ..engine.http_engine import HttpEngine
-
+        trainers, engines = cfg.ray_ranks()
+        kind = "ray_disaggregated" if engines else "ray_colocated"
+        return spec, Placement(kind, ray_trainers=trainers, ray_engines=engines, reward=reward, reward_at=at)
+    if cfg.engine_process:
+        return spec, Placement("process", tp=cfg.tp, tp_matched=cfg.train_tp_match == cfg.tp, reward=reward,
+                               reward_at=at)
+    if cfg.engine_url:
         if len(cfg.engine_url) != dist.get_world_size():
             raise ValueError(f"--engine-url names {len(cfg.engine_url)} engine(s) for {dist.get_world_size()} ranks: "
                              f"give one per rank, in rank order")
-        url = cfg.engine_url[dist.get_rank()]
-        engine = HttpEngine(url)
-        _check_served(cfg, engine.health(), url)
-    else:
-        from ..engine.engine import Engine
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")
-            engine = Engine(**where, device=device)
-    return ScoredEngine(engine, reward, cfg.reward_on_error, cfg.reward_frames)
-
-
-def _check_served(cfg: TrainConfig, health: dict, url: str) -> None:
-    """A served engine must run what this run would have started itself: the same checkpoint, patch group, dtype
-    and (on CPU, parity condition 9) thread count."""
-    want = {"checkpoint": str(Path(cfg.checkpoint).resolve()), "patch_group": cfg.engine_patch_group(),
-            "disabled_patches": list(cfg.disable_patch), "dtype": str(torch.bfloat16 if cfg.dtype == "bf16"
-                                                                       else torch.float32).removeprefix("torch.")}
-    got = {**{k: health.get(k) for k in want}, "checkpoint": str(Path(health.get("checkpoint", "")).resolve())}
-    if str(health.get("device", "")).startswith("cpu"):
-        want["threads"], got["threads"] = torch.get_num_threads(), health.get("threads")
-    wrong = [f"{k} {got[k]!r} (this run: {want[k]!r})" for k in want if got[k] != want[k]]
-    if wrong:
-        raise ValueError(f"the engine server at {url} runs {', '.join(wrong)}; start it with this run's settings")
+        return spec, Placement("http", url=cfg.engine_url[dist.get_rank()], reward=reward)
+    return spec, Placement("local", reward=reward)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ..dtypes import torch_dtype
 from ..engine.guidance import true_cfg
 from ..engine.samplers import cps_log_prob, sde_log_prob
 from ..engine.interface import RolloutRequest
@@ -55,7 +56,7 @@ class StepState:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, engine: RolloutEngine, resumed: tuple | None = None):
-        """`engine`: this rank's engine, whose rollouts come back scored (`engine.interface.ScoredEngine`, or an
+        """`engine`: this rank's engine, whose rollouts come back scored (`placement.scored.ScoredEngine`, or an
         engine process that scores); `resumed`: with `cfg.resume`, what `checkpoint.load_latest` read (None:
         start over)."""
         if cfg.rollout_batch_size % ctx.world:
@@ -63,7 +64,7 @@ class Trainer:
                              f"ranks: each rank rolls out an equal share of whole prompts")
         self.cfg, self.ctx, self.engine = cfg, ctx, engine
         self.out = Path(cfg.output_dir)
-        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+        self.dtype = torch_dtype(cfg.dtype)
         self.prompts = load_prompts(cfg.prompts)
         self.family = cfg.fill_family_defaults()
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))

@@ -1,4 +1,4 @@
-"""The rollout engine in its own process, driven by the trainer through queues.
+"""The rollout engine in its own process (or over N tensor-parallel processes), driven through queues.
 
 LoRA updates cross as weight buckets (`buckets.py`): on CPU each bucket's buffer is moved to shared memory and
 torch's multiprocessing pickler sends its handle; on CUDA it sends a CUDA IPC handle. Either way no tensor data is
@@ -12,18 +12,19 @@ import dataclasses
 import queue
 import signal
 import traceback
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
 
 from .. import loading
-from ..engine.model_runner import RolloutCancelled
+from ..dtypes import torch_dtype
+from ..engine.interface import RolloutCancelled, StopCheck
 from ..models import family_for_checkpoint
 from ..rewards.base import RewardError
-from .checksum import tensors_checksum
-from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
+from ..sync.buckets import DEFAULT_BUCKET_BYTES, BucketPacker
+from ..sync.checksum import tensors_checksum
+from .spec import EngineSpec, Placement, RewardSpec
 
 PARENT_POLL_S = 1.0  # how often an idle engine process checks that its client is still alive
 
@@ -55,7 +56,7 @@ def to_cpu(obj):
     return obj
 
 
-def _stop_check(stop, device: torch.device | str, tp: bool) -> Callable[[], bool]:
+def _stop_check(stop, device: torch.device | str, tp: bool) -> StopCheck:
     """A rollout's `should_stop` in an engine process: the client's `stop` event; under TP agreed by every rank at
     every step (the max over ranks), so that all stop at the same step and none waits for ever in a collective."""
     if not tp:
@@ -71,34 +72,33 @@ def _stop_check(stop, device: torch.device | str, tp: bool) -> Callable[[], bool
     return agreed
 
 
-def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replies,
+def _serve(spec: EngineSpec, threads: int, reward: RewardSpec | None, requests, replies,
            tp: tuple[int, int, int] | None = None, stop=None) -> None:
     """One engine process; with `tp` = (rank, size, port) one rank of a tensor-parallel engine (a process group on
-    loopback; on CUDA the rank takes GPU `rank`). `stop`: the client's event that stops a rollout."""
+    loopback; on CUDA the rank takes GPU `rank`). `reward`: scored here, before the images leave the process. `stop`:
+    the client's event that stops a rollout."""
     # Its client ends it (close, or kill): a Ctrl-C, which the terminal sends to every process, is the client's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On CPU the engine must use the trainer's intra-op thread count (parity condition 9, docs/patch-group.md).
     torch.set_num_threads(threads)
-    group = None
+    group, device = None, torch.device(spec.device)
     try:
-        from ..engine.engine import Engine
-        from ..engine.interface import ScoredEngine
         from ..rewards.base import build_reward
+        from .local import build_local
+        from .scored import ScoredEngine
 
         if tp is not None:
             from ..parallel.comm import init_tp
 
             rank, size, port = tp
-            device = torch.device(args["device"])
             if device.type == "cuda":
                 device = torch.device("cuda", rank)
                 torch.cuda.set_device(device)
             group = init_tp(rank, size, port, device)
-            args = {**args, "device": device, "tp": group}
-        engine = Engine(**args)
-        if reward_args is not None:  # scored here: the images never leave this process unscored
-            *spec, on_error, frames = reward_args
-            engine = ScoredEngine(engine, build_reward(*spec), on_error, frames)
+        engine = build_local(spec, str(device), group)
+        if reward is not None:  # scored here: the images never leave this process unscored
+            engine = ScoredEngine(engine, build_reward(reward.spec, reward.model, reward.device, url=reward.url),
+                                  reward.on_error, reward.frames)
         replies.put(("ok", "ready"))
     except ValueError as e:  # a bad setting (a reward spec, a patch name): the user's to fix, one line
         replies.put(("refused", str(e)))
@@ -107,7 +107,7 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
         replies.put(("failed", traceback.format_exc()))
         return
     try:
-        _requests(engine, requests, replies, _stop_check(stop, args["device"], group is not None))
+        _requests(engine, requests, replies, _stop_check(stop, device, group is not None))
     finally:
         if group is not None:
             import torch.distributed as dist
@@ -115,7 +115,7 @@ def _serve(args: dict, threads: int, reward_args: tuple | None, requests, replie
             dist.destroy_process_group()
 
 
-def _requests(engine, requests, replies, should_stop: Callable[[], bool]) -> None:
+def _requests(engine, requests, replies, should_stop: StopCheck) -> None:
     parent = mp.parent_process()
     while True:
         try:
@@ -132,8 +132,7 @@ def _requests(engine, requests, replies, should_stop: Callable[[], bool]) -> Non
                 return
             if op == "rollout":
                 request, stoppable = payload
-                value = to_cpu(engine.rollout(request, should_stop=should_stop) if stoppable else
-                               engine.rollout(request))
+                value = to_cpu(engine.rollout(request, should_stop if stoppable else None))
             elif op == "update_weights":
                 buckets, scale, merge_mode = payload
                 # The sender's buffers, freed once it has our answer: the engine copies out of them, never keeps them.
@@ -163,43 +162,45 @@ class EngineClient:
     LoRA update goes to all, each rank installs its slice and answers with the slice's checksum read back, and the
     update stands only when every slice is the one the sender meant for that rank."""
 
-    def __init__(self, checkpoint: str, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
-                 device: str = "cpu", dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 reward: tuple[str, str | None, str, str | None, str, int] | None = None, family: str | None = None,
-                 tp: int = 1, tp_matched: bool = False):
-        """`reward`: (spec, model path, device, url, on_error, frames) of a reward to build in the engine process
-        (rank 0's), which then scores every rollout (`ScoredEngine`); None keeps rewards out of it. `family`: as `Engine`'s (where
-        the checkpoint names none). `tp`: tensor-parallel ranks (the family must declare a plan). `tp_matched`: the
-        caller's train side computes each sharded layer as these ranks do (`--train-tp-match`): no TP gate warning."""
+    def __init__(self, spec: EngineSpec, tp: int = 1, tp_matched: bool = False, reward: RewardSpec | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        """`spec`: what the engine runs (its `threads`: the processes' intra-op CPU threads, default this process's).
+        `tp`: tensor-parallel ranks (the family must declare a plan). `tp_matched`: the caller's train side computes
+        each sharded layer as these ranks do (`--train-tp-match`): no TP gate warning. `reward`: built in the engine
+        process (rank 0's), which then scores every rollout (`ScoredEngine`); None keeps rewards out of it."""
         if tp < 1:
             raise ValueError(f"--tp must be >= 1, got {tp}")
-        self.tp, self.dtype, self.bucket_bytes = tp, dtype, bucket_bytes
+        self.tp, self.dtype, self.bucket_bytes = tp, torch_dtype(spec.dtype), bucket_bytes
         self.packer = BucketPacker(bucket_bytes)  # the LoRA's buffers, refilled every sync
-        self.family = family_for_checkpoint(checkpoint, family)
+        self.family = family_for_checkpoint(spec.checkpoint, spec.family)
         if tp > 1:
             from ..parallel.comm import free_port
             from ..parallel.engine import tp_gate, tp_plan
 
-            tp_plan(self.family, tp).check(loading.read_transformer_config(checkpoint), tp)  # refused before spawning
-            tp_gate(tp, patch_group, None, matched=tp_matched)
+            tp_plan(self.family, tp).check(loading.read_transformer_config(spec.checkpoint), tp)  # before spawning
+            tp_gate(tp, spec.patch_group, None, matched=tp_matched)
             port = free_port()
         ctx = mp.get_context("spawn")
-        self.stop, self.scored = ctx.Event(), reward is not None  # `stop`: set to stop the running rollout
+        self.stop = ctx.Event()  # set to stop the running rollout
         self.requests = [ctx.Queue() for _ in range(tp)]
         self.replies = [ctx.Queue() for _ in range(tp)]
-        args = dict(checkpoint=checkpoint, patch_group=patch_group, disabled_patches=tuple(disabled_patches),
-                    device=device, dtype=dtype, family=family)
         self.processes = [ctx.Process(target=_serve, daemon=True, args=(
-            args, threads or torch.get_num_threads(), reward if r == 0 else None, self.requests[r], self.replies[r],
-            (r, tp, port) if tp > 1 else None, self.stop)) for r in range(tp)]
+            spec, spec.threads or torch.get_num_threads(), reward if r == 0 else None, self.requests[r],
+            self.replies[r], (r, tp, port) if tp > 1 else None, self.stop)) for r in range(tp)]
         for p in self.processes:
             p.start()
         self._replies()
         self.expected: list[str] | None = None  # each rank's LoRA slice checksum, after a confirmed update
         self.confirmed: str | None = None  # the LoRA's checksum once every slice was confirmed
 
-    def _reply(self, r: int, should_stop: Callable[[], bool] | None = None):
+    @classmethod
+    def from_placement(cls, spec: EngineSpec, placement: Placement) -> EngineClient:
+        """The `process` placement (with `placement.tp` > 1, N tensor-parallel processes)."""
+        reward = placement.reward if placement.reward_at == "engine" else None
+        return cls(spec, placement.tp, placement.tp_matched, reward,
+                   placement.bucket_bytes or DEFAULT_BUCKET_BYTES)
+
+    def _reply(self, r: int, should_stop: StopCheck | None = None):
         while True:
             try:
                 status, value = self.replies[r].get(timeout=0.2)
@@ -222,7 +223,7 @@ class EngineClient:
             raise EngineProcessError(f"the engine process failed:\n{value}")
         return value
 
-    def _replies(self, should_stop: Callable[[], bool] | None = None) -> list:
+    def _replies(self, should_stop: StopCheck | None = None) -> list:
         """Every rank's answer, rank 0's first; the first failure raises once all have answered."""
         values, error = [], None
         for r in range(self.tp):
@@ -235,19 +236,20 @@ class EngineClient:
         return values
 
     def _call(self, op: str, *payload, others: tuple | None = None,
-              should_stop: Callable[[], bool] | None = None) -> list:
+              should_stop: StopCheck | None = None) -> list:
         """Send `op` to every rank (the other ranks get `others` as the payload, if given) and collect the answers."""
         for r, q in enumerate(self.requests):
             q.put((op, payload if r == 0 or others is None else others))
         return self._replies(should_stop)
 
-    def rollout(self, request: RolloutRequest, should_stop: Callable[[], bool] | None = None) -> Rollout:
+    def rollout(self, request: RolloutRequest, should_stop: StopCheck | None = None) -> Rollout:
         """`should_stop`, as `Engine.rollout`'s (asked every 0.2 s while the ranks run): a true answer stops every rank
         at its next denoising step, and RolloutCancelled is raised."""
-        if should_stop is not None and self.scored:
-            raise ValueError("a rollout of an engine process that scores its rollouts cannot be stopped")
-        self.stop.clear()
         stoppable = should_stop is not None
+        if stoppable and should_stop():  # asked before the first step too: the ranks then stop before it
+            self.stop.set()
+        else:
+            self.stop.clear()
         # The other ranks run the same forwards; only rank 0 decodes and records.
         return self._call("rollout", request, stoppable, should_stop=should_stop, others=(
             dataclasses.replace(request, decode=False, record_snapshot=False), stoppable))[0]

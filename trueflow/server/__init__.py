@@ -1,0 +1,27 @@
+"""The engine server (`trueflow serve`, docs/server.md): one rollout engine behind FastAPI.
+
+Every engine call (a rollout, a weight update, a checksum) runs on one worker thread, in arrival order (`worker`):
+the engine is not thread-safe, and an update queued behind a rollout lands after that rollout's last step, never
+inside it. Requests are not merged across clients. A microgroup is one batch through the denoise loop; running two
+requests' microgroups as one larger batch changes the GEMMs' batch size, which changes bf16 bits on GPU (batch 4 vs
+4 x batch 1 differed by 7.8e-3 on an H200), and concatenating their prompts into one rollout renumbers the prompts,
+which changes their noise streams. So each request runs alone, exactly as `Engine.rollout` with its arguments: its
+result is bitwise the same however busy the server is. Parsing, encoding and weight validation run off the worker.
+
+Every request's work is bounded before it reaches the worker (`limits`), and a running rollout stops at its next
+denoising step when its client leaves, its time is up, or the server shuts down.
+
+The parts: `errors` (the refusals and their bodies), `limits` (what one request may ask), `worker` (the engine
+thread and its queue), `bodies` (the request types, strictly validated), `weights` (weight updates by path or IPC
+handles), `app` (the routes), `lifecycle` (building the engine through the placement factory, serving, shutting
+down). The app holds its engine through the engine interface: an in-process `Engine`, or with `--tp N` a
+tensor-parallel engine over N processes (docs/tensor-parallel.md), which the server ends before it exits. The
+client side is `trueflow.placement.http`, which imports none of this.
+"""
+
+from .app import create_app
+from .errors import RequestError
+from .lifecycle import serve
+from .limits import Limits
+
+__all__ = ["Limits", "RequestError", "create_app", "serve"]

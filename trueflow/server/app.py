@@ -1,0 +1,176 @@
+"""The routes: health, rollouts (msgpack, bit for bit), OpenAI-style images, weight updates and checksums."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..engine import wire
+from ..engine.sampling_params import SamplingParams, check_family_limits
+from ..engine.interface import RolloutEngine, RolloutRequest
+from ..engine.trajectory import Rollout
+from ..http import MSGPACK
+from ..models import get_family
+from .bodies import FullByPath, FullUpdate, ImagesRequest, LoraByPath, LoraUpdate, RolloutBody, Sampling, \
+    decode_body, read_body, validate
+from .errors import RequestError, error_body
+from .limits import Limits, TokenCounter
+from .weights import weights_request
+from .worker import STUCK_GRACE_S, Worker
+
+_T = TypeVar("_T")
+
+
+def png_b64(image: torch.Tensor) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image.numpy()).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: int = 0,
+               weights_root: str | Path | None = None, threads: int | None = None) -> FastAPI:
+    """The server of `engine`: an engine interface whose `rollout` takes `should_stop` (an `Engine`, or an
+    `EngineClient`, whose health says `tp`). `limits`: what one request may ask; `default_seed`: the seed of
+    OpenAI-style requests that name none; `weights_root`: the folder path-based weight updates may read (None:
+    none); `threads`: the engine's intra-op CPU threads where another process runs it (None: read on the worker)."""
+    root = None if weights_root is None else Path(weights_root).resolve()
+    if root is not None and not root.is_dir():
+        raise FileNotFoundError(f"--weights-root {weights_root}: no such folder")
+    info = engine.health()  # what it runs, read once: an engine in other processes answers between calls only
+    family, tp = get_family(info["family"]), info.get("tp", 1)
+    worker = Worker()
+    tokens = TokenCounter(info["checkpoint"])
+    if threads is None:
+        threads = worker.submit(lambda _stop: torch.get_num_threads()).future.result()  # the engine thread's count
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        worker.close()
+        worker.join()
+
+    app = FastAPI(title="trueflow engine server", lifespan=lifespan)
+    app.state.worker = worker
+
+    async def refused(request: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, str(e), e.status, e.param, e.code), e.status)
+
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
+        return JSONResponse(error_body(request.url.path, e.detail, e.status_code), e.status_code)
+
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, f"{type(e).__name__}: {e}", 500), 500)
+
+    app.add_exception_handler(RequestError, refused)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, failed)
+
+    async def generation(request: Request, samples: int, params: SamplingParams, prompts: list[str],
+                         fn: Callable[[Callable[[], bool]], _T], arrived: float) -> _T:
+        """Check the family's rules and `limits`, then run `fn` on the worker within the request's time, stopped if
+        its client leaves."""
+        try:
+            check_family_limits(params, family)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        limits.check(samples, params, prompts)
+        await asyncio.to_thread(tokens.check, limits, prompts, params.negative_prompt)
+        job = worker.submit(fn, arrived + limits.request_timeout, limits.max_queue)
+        return await worker.wait(job, request, limits.request_timeout)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        running = worker.running
+        age = None if running is None or running.started is None else time.monotonic() - running.started
+        stuck = age is not None and age > limits.request_timeout + min(limits.request_timeout, STUCK_GRACE_S)
+        # An engine in other processes fails every call once one of them has died (a rank's OOM, a kill).
+        died = any(p.exitcode is not None for p in getattr(engine, "processes", ()))
+        status = "shutting_down" if worker.closed else "failed" if died else "stuck" if stuck else "ok"
+        return JSONResponse({
+            **info, "status": status, "threads": threads,
+            "busy": running is not None, "queue_depth": worker.depth,
+            "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits)},
+            200 if status == "ok" else 503)
+
+    @app.post("/rollout/generate")
+    async def generate(request: Request) -> Response:
+        arrived = time.monotonic()
+        req = validate(RolloutBody, decode_body(await read_body(request, limits.generation_body_bytes),
+                                           "msgpack")).request()
+
+        def rollout(should_stop: Callable[[], bool]) -> Rollout:
+            out = engine.rollout(req, should_stop=should_stop)
+            out.engine["lora_checksum"] = engine.checksum()  # in the same call: the LoRA this rollout ran with
+            return out
+
+        out = await generation(request, len(req.prompts) * req.n_per_prompt, req.params, req.prompts, rollout,
+                               arrived)
+        return Response(await asyncio.to_thread(wire.encode_rollout, out), media_type=MSGPACK)
+
+    @app.post("/v1/images/generations")
+    async def images(request: Request) -> dict:
+        arrived = time.monotonic()
+        r = validate(ImagesRequest, decode_body(await read_body(request, limits.generation_body_bytes), "JSON"))
+        if r.response_format != "b64_json":
+            raise RequestError(f"response_format must be 'b64_json' (this server keeps no image URLs), "
+                               f"got {r.response_format!r}", param="response_format")
+        m = re.fullmatch(r"(\d{1,6})x(\d{1,6})", r.size)
+        if not m:
+            raise RequestError(f"size must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64', got {r.size!r:.100}",
+                               param="size")
+        params = Sampling(steps=r.steps, cfg_scale=r.cfg_scale, sampler=r.sampler, negative_prompt=r.negative_prompt,
+                           width=int(m[1]), height=int(m[2])).params()
+        seed = default_seed if r.seed is None else r.seed
+        out = await generation(request, r.n, params, [r.prompt],
+                               lambda stop: engine.rollout(RolloutRequest([r.prompt], r.n, params, seed),
+                                                           should_stop=stop), arrived)
+        data = await asyncio.to_thread(lambda: [{"b64_json": png_b64(image)} for image in out.images])
+        return {"created": int(time.time()), "seed": seed, "data": data}
+
+    @app.post("/weights/lora")
+    async def weights_lora(request: Request) -> dict:
+        state, f = await weights_request(request, LoraUpdate, LoraByPath, False, root, tp)
+
+        def apply(_stop: Callable[[], bool]) -> str:
+            return engine.update_weights(state, f.scale, f.merge_mode)
+
+        return {"lora": await worker.wait(worker.submit(apply), request)}
+
+    @app.post("/weights/full")
+    async def weights_full(request: Request) -> dict:
+        if tp > 1:  # refused before a byte of the weights is read
+            raise RequestError(f"full-weight updates are not supported by a tensor-parallel engine (this server runs "
+                               f"--tp {tp}): restart `trueflow serve` from a checkpoint holding the weights, or serve "
+                               f"with --tp 1; LoRA updates (/weights/lora) are taken")
+        state, _ = await weights_request(request, FullUpdate, FullByPath, True, root)
+
+        def apply(_stop: Callable[[], bool]) -> str:
+            return engine.update_weights(state)
+
+        return {"weights": await worker.wait(worker.submit(apply), request)}
+
+    # A tensor-parallel engine holds no whole weights to hash: its `weights` is null.
+    weights_checksum = getattr(engine, "weights_checksum", lambda: None)
+
+    @app.get("/weights/checksum")
+    async def checksum(request: Request) -> dict:
+        job = worker.submit(lambda _stop: (weights_checksum(), engine.checksum()))
+        weights, lora = await worker.wait(job, request)
+        return {"weights": weights, "lora": lora}
+
+    return app
