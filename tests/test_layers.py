@@ -268,6 +268,8 @@ def test_rotation(pairs, per_head):
     assert (rotate_f32(y, dataclasses.replace(tables, pairs=other)) - got).abs().max() > 0.1
     with pytest.raises(ValueError, match="choose one of interleaved, split"):
         RopeTables(cos=tables.cos, sin=tables.sin, pairs="complex")
+    with pytest.raises(ValueError, match="real cos/sin tables"):
+        rotate_f32(y, RopeTables(freqs=torch.polar(torch.ones_like(angles), angles)))
 
 
 def rms64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -325,6 +327,8 @@ def test_modulation_rows_broadcast_as_b_d_or_b_t_d():
             assert_bitwise(c, a, f"{name}: [B, S, D] rows")
     other = modulation_calls(shift, scale, gate.flip(0), x, y)["gated_residual"]()
     assert_differs(other, flat["gated_residual"](), "another sample's gate")
+    with pytest.raises(ValueError, match="shift and scale come together"):
+        M.rms_norm_scale_shift_fused(x, shift, None, EPS)
 
 
 def test_triton_only_for_b_d_rows(monkeypatch):

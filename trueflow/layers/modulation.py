@@ -62,8 +62,10 @@ def rms_norm_scale_shift_fused(x: torch.Tensor, shift: torch.Tensor | None, scal
                                eps: float) -> torch.Tensor:
     """`RMSNorm(x)·(1+scale)+shift` (no norm weight) in fp32, one rounding; without scale, the bare norm."""
     y = rms_f32(x, eps)
-    if scale is not None:
+    if shift is not None and scale is not None:
         y = y * (1 + rows(scale, x).float()) + rows(shift, x).float()
+    elif shift is not None or scale is not None:
+        raise ValueError("shift and scale come together, or neither (the bare norm)")
     return y.to(x.dtype)
 
 

@@ -58,6 +58,8 @@ def _per_token(t: torch.Tensor) -> torch.Tensor:
 def rotate_f32(y: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """y (fp32 [B, S, H, D]) rotated by the real tables, in fp32 (unrounded): each pair (a, b) -> (a·cos - b·sin,
     a·sin + b·cos)."""
+    if tables.cos is None or tables.sin is None:
+        raise ValueError("the fast rotation takes real cos/sin tables; complex `freqs` tables are a reference's")
     cos, sin = _per_token(tables.cos), _per_token(tables.sin)
     if tables.pairs == "interleaved":
         x_even, x_odd = y[..., 0::2], y[..., 1::2]
@@ -76,7 +78,8 @@ def qk_norm_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, tables
     """RMS-normalise each head (x [B, S, H, D], weight [D]) and rotate it if tables are given, all in fp32, rounding
     once; the result goes into `out` (a [B, S, H, D] view) if given. A Triton kernel on CUDA for interleaved tables
     shared by every head, this PyTorch code elsewhere."""
-    if kernels.use_triton(x) and tables is not None and tables.pairs == "interleaved" and tables.cos.dim() == 2:
+    if kernels.use_triton(x) and tables is not None and tables.pairs == "interleaved" and \
+            tables.cos is not None and tables.cos.dim() == 2:
         return kernels.ops().qk_norm_rope(x, weight, eps, tables.cos, tables.sin, out)
     y = rms_f32(x, eps, weight)
     if tables is not None:

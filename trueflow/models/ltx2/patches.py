@@ -89,6 +89,7 @@ def split_rope_reference(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     head's halves (first, second) in fp32, `out = x·cos`, then `first_out -= sin·second` and `second_out +=
     sin·first` with `addcmul_`, rounded to x's dtype."""
     cos, sin = tables.cos, tables.sin
+    assert cos is not None and sin is not None, "the split RoPE's tables are real"
     B, S, _ = x.shape
     H = cos.shape[1]
     xh = x.reshape(B, S, H, -1).swapaxes(1, 2)
