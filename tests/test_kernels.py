@@ -25,9 +25,10 @@ import torch
 from conftest import BF16, EPS, assert_bitwise, assert_differs, randn
 from trueflow import kernels
 from trueflow.layers.modulation import (
+    gated_residual_fused,
     layer_norm_scale_shift_fused,
-    mul_add_fused,
     scale_residual_layer_norm_scale_shift_fused,
+    scale_shift_fused,
 )
 from trueflow.layers.norms import rms_norm_fused
 from trueflow.layers.rope import RopeTables, qk_norm_rope_fused, rope_tables_fused
@@ -52,8 +53,14 @@ class Fallback:
 
     layer_norm_scale_shift = staticmethod(layer_norm_scale_shift_fused)
     scale_residual_layer_norm_scale_shift = staticmethod(scale_residual_layer_norm_scale_shift_fused)
-    mul_add = staticmethod(mul_add_fused)
     rms_norm = staticmethod(rms_norm_fused)
+
+    @staticmethod
+    def mul_add(a, b, c, k):
+        """The kernel's `c + a·(k+b)` is the layers' gated residual for k = 0 and their scale-shift modulation
+        `x·(1+scale)+shift` for k = 1."""
+        assert k in (0.0, 1.0), k
+        return gated_residual_fused(a, b, c) if k == 0 else scale_shift_fused(a, c, b)
 
     @staticmethod
     def qk_norm_rope(x, weight, eps, cos, sin, out=None):
@@ -220,7 +227,7 @@ def test_layers_dispatch_to_kernels_interpreter(monkeypatch):
         layer_norm_scale_shift_fused: ((x, shift, scale, EPS), ops.layer_norm_scale_shift(x, shift, scale, EPS)),
         scale_residual_layer_norm_scale_shift_fused: (
             (x, y, gate, shift, scale, EPS), ops.scale_residual_layer_norm_scale_shift(x, y, gate, shift, scale, EPS)),
-        mul_add_fused: ((x, gate, y, 1.0), ops.mul_add(x, gate, y, 1.0)),
+        gated_residual_fused: ((x, gate, y), ops.mul_add(x, gate, y, 0.0)),
         rms_norm_fused: ((x, w, EPS), ops.rms_norm(x, w, EPS)),
         qk_norm_rope_fused: ((q, w[:32], EPS, tables), ops.qk_norm_rope(q, w[:32], EPS, tables.cos, tables.sin)),
     }
@@ -297,10 +304,12 @@ def test_mul_add_exact(exact, shape, k):
     dev = exact
     a, c = randn(shape, 6).to(dev), randn(shape, 7, std=3.0).to(dev)
     b = modulation(shape[0], shape[-1], 8)[2].to(dev)
-    # diffusers' gated residual `hidden_states + gate.unsqueeze(1) * output` (k = 0); the engine's mul-add for k != 0
+    # diffusers' gated residual `hidden_states + gate.unsqueeze(1) * output` (k = 0, what the patch group runs); the
+    # kernel's mul-add for k != 0
     ref = c + b[:, None] * a if k == 0 else c + a * (k + b[:, None])
-    assert_bitwise(P.mul_add_exact(a, b, c, k), ref, "mul_add_exact")
-    failure_side(mul_add_fused(a, b, c, k), ref, "once-rounded mul_add")
+    got = P.gated_residual_exact(a, b, c) if k == 0 else kernels.ops().mul_add_eager_bf16(a, b, c, k)
+    assert_bitwise(got, ref, "gated_residual_exact" if k == 0 else "mul_add_eager_bf16")
+    failure_side(Fallback.mul_add(a, b, c, k), ref, "once-rounded mul_add")
 
 
 @pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)

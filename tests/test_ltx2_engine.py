@@ -27,6 +27,9 @@ from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from conftest import BF16, EPS, assert_bitwise, assert_differs, randn
+from trueflow.layers import modulation as M
+from trueflow.layers.attention import attention
+from trueflow.layers.rope import RopeTables, qk_norm_across_heads_rope_fused
 from trueflow.models.ltx2 import patches as P
 from trueflow.models.ltx2 import transformer as T
 from trueflow.models.ltx2 import weights as W
@@ -187,9 +190,9 @@ def test_rms_norm_scale_shift(shape):
         expected = norm(x) * (1 + scale) + shift
         bare = norm(x)
     assert_bitwise(P.rms_norm_scale_shift_reference(x, shift, scale, EPS), expected, "reference")
-    assert_differs(T.rms_norm_scale_shift_fused(x, shift, scale, EPS), expected, "fused")
+    assert_differs(M.rms_norm_scale_shift_fused(x, shift, scale, EPS), expected, "fused")
     # Without modulation (LTX-2.0's norm2) the bare norm rounds once on both paths.
-    assert_bitwise(T.rms_norm_scale_shift_fused(x, None, None, EPS), bare, "bare norm, fused")
+    assert_bitwise(M.rms_norm_scale_shift_fused(x, None, None, EPS), bare, "bare norm, fused")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["2x24x32", "2x60x4096"])
@@ -201,9 +204,9 @@ def test_text_kv_modulation_and_gated_residual(shape):
     # `hidden_states + attn_hidden_states * gate_msa`
     kv, res = x * (1 + scale) + shift, x + y * gate
     assert_bitwise(P.scale_shift_reference(x, shift, scale), kv, "kv reference")
-    assert_differs(T.scale_shift_fused(x, shift, scale), kv, "kv fused")
+    assert_differs(M.scale_shift_fused(x, shift, scale), kv, "kv fused")
     assert_bitwise(P.gated_residual_reference(y, gate, x), res, "residual reference")
-    assert_differs(T.gated_residual_fused(y, gate, x), res, "residual fused")
+    assert_differs(M.gated_residual_fused(y, gate, x), res, "residual fused")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["2x24x32", "2x60x4096"])
@@ -217,7 +220,7 @@ def test_output_layer_norm_scale_shift(shape):
     with torch.no_grad():
         expected = nn.LayerNorm(shape[-1], eps=1e-6, elementwise_affine=False)(x) * (1 + scale) + shift
     assert_bitwise(P.layer_norm_scale_shift_reference(x, shift, scale, 1e-6), expected, "reference")
-    assert_differs(T.layer_norm_scale_shift_fused(x, shift, scale, 1e-6), expected, "fused")
+    assert_differs(M.layer_norm_scale_shift_fused(x, shift, scale, 1e-6), expected, "fused")
 
 
 def test_attention_gate():
@@ -225,7 +228,7 @@ def test_attention_gate():
     # diffusers' processor: gates = 2.0 * torch.sigmoid(gate_logits); hidden_states * gates.unsqueeze(-1)
     expected = out * (2.0 * torch.sigmoid(logits)).unsqueeze(-1)
     assert_bitwise(P.attention_gate_reference(out, logits), expected, "reference")
-    assert_differs(T.attention_gate_fused(out, logits), expected, "fused")
+    assert_differs(M.attention_gate_fused(out, logits), expected, "fused")
 
 
 def diffusers_rope(config: T.LTX2Config, grid, batch: int = 1):
@@ -247,12 +250,13 @@ ROPE_CASES = [(T.LTX2Config.from_dict(TINY), (3, 4, 5)), (T.LTX2Config.from_dict
 @pytest.mark.parametrize("config,grid", ROPE_CASES, ids=["tiny", "other", "full_width"])
 def test_rope_tables(config, grid):
     cos, sin = diffusers_rope(config, grid, batch=2)
-    ref_cos, ref_sin = P.rope_tables_reference(config, grid, FPS, "cpu")
+    ref = P.rope_tables_reference(config, grid, FPS, "cpu")
     for b in range(2):  # one table serves every sample
-        assert_bitwise(ref_cos[0], cos[b], "cos")
-        assert_bitwise(ref_sin[0], sin[b], "sin")
-    fast_cos, fast_sin = T.rope_tables_fused(config, grid, FPS, "cpu")
-    assert_differs(torch.cat([fast_cos, fast_sin]), torch.cat([cos[:1], sin[:1]]), "fp32 tables")
+        assert_bitwise(ref.cos[0], cos[b], "cos")
+        assert_bitwise(ref.sin[0], sin[b], "sin")
+    fast = T.rope_tables_fused(config, grid, FPS, "cpu")
+    assert ref.pairs == fast.pairs == "split"
+    assert_differs(torch.cat([fast.cos, fast.sin]), torch.cat([cos[:1], sin[:1]]), "fp32 tables")
 
 
 @pytest.mark.parametrize("config,grid", ROPE_CASES, ids=["tiny", "other", "full_width"])
@@ -267,9 +271,9 @@ def test_qk_norm_rope(config, grid):
         norm.weight.copy_(weight)
         normed = norm(x)
     expected = apply_split_rotary_emb(normed, tables).unflatten(-1, (heads, -1))
-    own = tuple(t[:1] for t in tables)
+    own = RopeTables(cos=tables[0][:1], sin=tables[1][:1], pairs="split")
     assert_bitwise(P.qk_norm_rope_reference(x, weight, EPS, heads, own), expected, "with RoPE")
-    assert_differs(T.qk_norm_rope_fused(x, weight, EPS, heads, own), expected, "fused")
+    assert_differs(qk_norm_across_heads_rope_fused(x, weight, EPS, heads, own), expected, "fused")
     assert_bitwise(P.qk_norm_rope_reference(x, weight, EPS, heads, None), normed.unflatten(-1, (heads, -1)),
                    "text attention: norm only")
 
@@ -305,16 +309,16 @@ def test_text_mask_bias_and_attention_kernel():
             continue  # CUDA only
         with attention_backend(backend):
             expected = dispatch_attention_fn(q, k, v, attn_mask=bias)
-        assert_bitwise(T.attention(q, k, v, bias, kernel), expected, f"{backend} pairing")
+        assert_bitwise(attention(q, k, v, bias, kernel), expected, f"{backend} pairing")
     model.text_mask_bias = False
     with attention_backend("native"):
         expected = dispatch_attention_fn(q, k, v, attn_mask=bias)
-    assert_differs(T.attention(q, k, v, model.text_mask(mask, B, L, BF16, "cpu"), "sdpa"), expected, "bool mask")
+    assert_differs(attention(q, k, v, model.text_mask(mask, B, L, BF16, "cpu"), "sdpa"), expected, "bool mask")
     q, k = randn((B, S, H, D), 73), randn((B, L, H, D), 74)  # ordinary scores: the kernels round apart
     with attention_backend("_native_math"):
         expected = dispatch_attention_fn(q, k, v, attn_mask=bias)
-    assert_bitwise(T.attention(q, k, v, bias, "math"), expected, "math pinned")
-    assert_differs(T.attention(q, k, v, bias, "sdpa"), expected, "the sdpa choice vs the math pairing")
+    assert_bitwise(attention(q, k, v, bias, "math"), expected, "math pinned")
+    assert_differs(attention(q, k, v, bias, "sdpa"), expected, "the sdpa choice vs the math pairing")
     with attention_backend("_native_flash"), pytest.raises(ValueError, match="attn_mask"):
         dispatch_attention_fn(q, k, v, attn_mask=bias)  # why the flash pairing is not offered
 

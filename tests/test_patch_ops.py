@@ -9,6 +9,8 @@ is tested (their differences are GPU kernel choices: docs/patch-group.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,11 @@ from trueflow.engine.weights import build_engine_transformer
 from trueflow.layers.attention import attention
 from trueflow.layers.linear import Linear, LoraAdapter
 from trueflow.layers.modulation import (
+    GatedResidual,
     LayerNormScaleShift,
-    MulAdd,
     ScaleResidualLayerNormScaleShift,
+    gated_residual_fused,
     layer_norm_scale_shift_fused,
-    mul_add_fused,
     scale_residual_layer_norm_scale_shift_fused,
 )
 from trueflow.layers.norms import RMSNorm, rms_norm_fused
@@ -130,7 +132,7 @@ def test_output_norm_scale_shift_order(shape):
         assert_differs(engine(x, temb), ref, "OutputNorm fused")
 
 
-# -- gated residual + LayerNorm + scale/shift, and the final gated residual (mul-add) ---------------------------
+# -- gated residual + LayerNorm + scale/shift, and the final gated residual (the `mul_add` patch) ----------------
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_scale_residual_layer_norm_scale_shift(shape, block):
     b, _, d = shape
@@ -158,7 +160,7 @@ def test_scale_residual_layer_norm_scale_shift(shape, block):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_mul_add(shape, block):
+def test_gated_residual(shape, block):
     b, _, d = shape
     h = randn(shape, 12, std=4.0)
     mlp_out = randn(shape, 13, std=2.0)
@@ -166,11 +168,11 @@ def test_mul_add(shape, block):
     gate2 = mod2.chunk(3, dim=-1)[2]
     _, gate2_ref = block._modulate(h, mod2)
     ref = h + gate2_ref * mlp_out  # QwenImageTransformerBlock.forward: hidden_states + img_gate2 * img_mlp_output
-    assert_bitwise(P.mul_add_reference(mlp_out, gate2, h, 0.0), ref, "mul_add_reference")
-    engine = MulAdd(k=0.0)
-    engine.impl = P.mul_add_reference
-    assert_bitwise(engine(mlp_out, gate2, h), ref, "engine MulAdd patched")
-    assert_differs(mul_add_fused(mlp_out, gate2, h, 0.0), ref, "mul_add_fused")
+    assert_bitwise(P.gated_residual_reference(mlp_out, gate2, h), ref, "gated_residual_reference")
+    engine = GatedResidual()
+    engine.impl = P.gated_residual_reference
+    assert_bitwise(engine(mlp_out, gate2, h), ref, "engine GatedResidual patched")
+    assert_differs(gated_residual_fused(mlp_out, gate2, h), ref, "gated_residual_fused")
 
 
 # -- RoPE tables and qk-norm + RoPE --------------------------------------------------------------------------
@@ -482,7 +484,8 @@ def test_attention_pairing_layouts(tiny_bf16, monkeypatch, train_backend):
 
     monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", kernel)  # diffusers looks it up at call time
     monkeypatch.setattr(A, "sdpa_kernel", kernel)
-    monkeypatch.setitem(A.BACKENDS, "cudnn", SDPBackend.MATH)  # past the engine's CUDA-only check
+    monkeypatch.setitem(A.KERNELS, "cudnn", dataclasses.replace(A.KERNELS["cudnn"], cuda_only=False))  # past the
+    # engine's CUDA-only check; its pinned cuDNN kernel runs as the math kernel through the `sdpa_kernel` above
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
     with torch.no_grad(), attention_backend(train_backend):
         rope_ref = diff.pos_embed([(1, h, w)] * batch, max_txt_seq_len=text_len, device=torch.device("cpu"))
@@ -539,7 +542,7 @@ def test_group_installs_the_reference_ops():
         ScaleResidualLayerNormScaleShift: ("impl", scale_residual_layer_norm_scale_shift_fused,
                                            P.scale_residual_layer_norm_scale_shift_exact,
                                            "scale_residual_layer_norm_scale_shift"),
-        MulAdd: ("impl", mul_add_fused, P.mul_add_exact, "mul_add"),
+        GatedResidual: ("impl", gated_residual_fused, P.gated_residual_exact, "mul_add"),
         QKNormRope: ("impl", qk_norm_rope_fused, P.qk_norm_rope_exact, "qk_norm_rope"),
         RotaryEmbedding: ("impl", rope_tables_fused, P.rope_tables_reference, "qk_norm_rope"),
         TimestepEmbedding: ("proj_impl", timestep_proj_fused, P.timestep_proj_reference, "timestep_dtype"),

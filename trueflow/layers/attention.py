@@ -1,59 +1,128 @@
-"""Scaled dot-product attention over [B, S, H, D] tensors, with a choice of kernel."""
+"""The one attention dispatcher every family's engine DiT calls: a registry of SDPA kernels by name.
+
+Modelled on diffusers' `models/attention_dispatch.py` (`_AttentionBackendRegistry.register`, `dispatch_attention_fn`):
+a decorator registers a kernel function under a name, and `attention(q, k, v, mask, backend)` looks the name up. Each
+kernel hands SDPA what the diffusers backend it stands for hands it (the same permutes, the same contiguous copies,
+the same pinned kernel), so the two sides' kernels see the same call. A later kernel (a batch-invariant one, say)
+registers here and every family can select it by name.
+"""
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# "sdpa": PyTorch picks the kernel; "flash": the flash kernel pinned (no mask allowed), which is what the train
-# side's `_native_flash` backend runs; "cudnn": the cuDNN kernel pinned (CUDA only), what `_native_cudnn` runs;
-# "math": the reference kernel.
-BACKENDS = {"sdpa": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "math": SDPBackend.MATH}
-# Kernels handed contiguous [B, H, S, D] tensors, as diffusers' `_native_cudnn` hands them (`.contiguous()` after the
-# permute); the others get the permuted [B, S, H, D] views, as `_native_flash` passes them.
-HEADS_MAJOR = frozenset({"cudnn"})
+
+class KernelFn(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Kernel:
+    fn: KernelFn  # q [B, S, H, D], k/v [B, L, H, D], mask None or 4-d (see `attention`) -> [B, S, H, D]
+    heads_major: bool  # it copies q/k/v to contiguous [B, H, S, D] first (what `joint_buffer` lays out for)
+    cuda_only: bool  # PyTorch has the kernel on CUDA only (diffusers' `_check_device` constraint)
+
+
+KERNELS: dict[str, Kernel] = {}
+
+
+def register(name: str, heads_major: bool = False, cuda_only: bool = False) -> Callable[[KernelFn], KernelFn]:
+    """Register the decorated function as the attention kernel `name` (refused if the name is taken)."""
+    def decorator(fn: KernelFn) -> KernelFn:
+        if name in KERNELS:
+            raise ValueError(f"attention kernel {name!r} is registered already")
+        KERNELS[name] = Kernel(fn, heads_major, cuda_only)
+        return fn
+    return decorator
+
+
+def kernel(name: str) -> Kernel:
+    if name not in KERNELS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(KERNELS)}")
+    return KERNELS[name]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              backend: str) -> torch.Tensor:
+    """q [B, S, H, D], k/v [B, L, H, D] -> [B, S, H, D], by the registered kernel `backend`.
+
+    mask: None; a bool key mask [B, L] (True = attend), made [B, 1, 1, L] here as diffusers' `native` backend makes
+    a 2-d mask; or a mask SDPA takes as it is: bool [B, 1, 1, L] or an additive bias [B, H, 1, L]."""
+    chosen = kernel(backend)
+    if chosen.cuda_only and not q.is_cuda:  # refused in one line rather than left to SDPA's "no viable backend"
+        raise ValueError(f"the {backend} attention backend runs on CUDA only; use the flash backend (train side "
+                         f"`_native_flash`) or sdpa (`native`) on this device")
+    if mask is not None and mask.dim() == 2:
+        mask = mask[:, None, None, :]
+    return chosen.fn(q, k, v, mask)
 
 
 def joint_buffer(txt: torch.Tensor, img: torch.Tensor, backend: str) -> torch.Tensor:
     """An empty [B, L + S, H, D] tensor for the joint [text, image] sequence of q, k or v (txt [B, L, H, D], img
-    [B, S, H, D]), laid out as `attention` hands it to the kernel: heads-major for `HEADS_MAJOR` backends (so their
+    [B, S, H, D]), laid out as `backend` hands it to SDPA: heads-major for a `heads_major` kernel (so its
     `.contiguous()` copies nothing), else token-major, as torch.cat would make it."""
     (B, L, H, D), S = txt.shape, img.shape[1]
-    if backend in HEADS_MAJOR:
+    if kernel(backend).heads_major:
         return txt.new_empty(B, H, L + S, D).permute(0, 2, 1, 3)
     return txt.new_empty(B, L + S, H, D)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, backend: str) -> torch.Tensor:
-    """q, k, v: [B, S, H, D]; mask: bool [B, S] over keys (True = attend) or None. Returns [B, S, H, D].
-
-    The permutes (not a contiguous [B, H, S, D] copy) are what diffusers' native flash backend passes to SDPA, and
-    the contiguous copies what its cuDNN backend passes, so the kernel sees the same strides."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
-    kernel = BACKENDS[backend]
-    if kernel == SDPBackend.CUDNN_ATTENTION and not q.is_cuda:
-        raise ValueError("the cudnn attention backend runs on CUDA only; use the flash backend (train side "
-                         "`_native_flash`) on this device")
+# -- the kernels ---------------------------------------------------------------------------------------------------
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, pinned: SDPBackend | None,
+          heads_major: bool = False) -> torch.Tensor:
+    """SDPA on the permuted [B, H, S, D] views (what diffusers' native backends pass), contiguous copies of them
+    with `heads_major` (what `_native_cudnn` passes), with `pinned` the only kernel allowed (None: PyTorch's choice)."""
     q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
-    if backend in HEADS_MAJOR:
+    if heads_major:
         q, k, v = (t.contiguous() for t in (q, k, v))
-    attn_mask = None if mask is None else mask[:, None, None, :]
-    if kernel == SDPBackend.FLASH_ATTENTION and attn_mask is not None:
+    if pinned is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        with sdpa_kernel(pinned):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.permute(0, 2, 1, 3)
+
+
+@register("sdpa")
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch chooses the kernel for the call it is given: diffusers' `native`."""
+    return _sdpa(q, k, v, mask, None)
+
+
+@register("math")
+def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The reference kernel pinned: diffusers' `_native_math`."""
+    return _sdpa(q, k, v, mask, SDPBackend.MATH)
+
+
+@register("efficient", cuda_only=True)
+def efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The memory-efficient kernel pinned (CUDA only): diffusers' `_native_efficient`."""
+    return _sdpa(q, k, v, mask, SDPBackend.EFFICIENT_ATTENTION)
+
+
+@register("flash")
+def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The flash kernel pinned: diffusers' `_native_flash`. It takes no mask (diffusers' backend raises; the train
+    side then falls back to a masked backend) and no fp32: such calls run on PyTorch's own choice."""
+    if mask is not None:
         warnings.warn("attention got a non-trivial text mask while the flash kernel is pinned: the flash kernel takes "
                       "no mask, so this batch runs PyTorch's masked kernel and is not bitwise equal to the train side "
-                      "(parity condition 2; usually mixed prompt lengths in one batch)", stacklevel=2)
-    fp32 = q.dtype == torch.float32
-    if kernel is None or (kernel == SDPBackend.FLASH_ATTENTION and (attn_mask is not None or fp32)) or \
-            (kernel == SDPBackend.CUDNN_ATTENTION and fp32):
-        # The flash kernel takes no mask, and neither it nor cuDNN's takes fp32; such calls run on PyTorch's own
-        # choice, as diffusers' masked fallback does.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-    else:
-        with sdpa_kernel(kernel):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-    return out.permute(0, 2, 1, 3)
+                      "(parity condition 2; usually mixed prompt lengths in one batch)", stacklevel=3)
+    fallback = mask is not None or q.dtype == torch.float32
+    return _sdpa(q, k, v, mask, None if fallback else SDPBackend.FLASH_ATTENTION)
+
+
+@register("cudnn", heads_major=True, cuda_only=True)
+def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The cuDNN kernel pinned (CUDA only) on contiguous heads-major copies: diffusers' `_native_cudnn`. It takes no
+    fp32: such calls run on PyTorch's own choice."""
+    pinned = None if q.dtype == torch.float32 else SDPBackend.CUDNN_ATTENTION
+    return _sdpa(q, k, v, mask, pinned, heads_major=True)

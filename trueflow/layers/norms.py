@@ -1,4 +1,5 @@
-"""RMSNorm for the text input norm and the q/k norms."""
+"""RMSNorm with a learned weight (e.g. Qwen-Image's text input norm), and the fp32 RMS normalisation every fast
+norm here is built on (the q/k norms: `rope.py`; the modulated norms: `modulation.py`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ from torch import nn
 from .. import kernels
 
 
+def rms_f32(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """`x·rsqrt(mean(x²)+eps)` over the last dim, times `weight` if given, all in fp32 (unrounded)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.float()
+
+
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Serving-engine RMSNorm: normalise and scale in fp32, round to the input dtype once at the end (a Triton
     kernel on CUDA, this PyTorch code elsewhere)."""
     if kernels.use_triton(x):
         return kernels.ops().rms_norm(x, weight, eps)
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return y.to(x.dtype)
+    return rms_f32(x, eps, weight).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

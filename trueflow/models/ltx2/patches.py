@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from ...layers.linear import Linear
+from ...layers.modulation import AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift
+from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
 from ...patches import Patch, PatchGroup, set_on
-from .transformer import (AttentionGate, CrossAttention, GatedResidual, LTX2Config, LTX2Transformer,
-                          LayerNormScaleShift, QKNormRope, RMSNormScaleShift, RotaryEmbedding, ScaleShift,
-                          SelfAttention, Tables, split_tables)
+from .transformer import CrossAttention, LTX2Config, LTX2Transformer, RotaryEmbedding, SelfAttention, split_tables
 
 
 # -- norms and modulation (bf16 semantics: every elementwise op rounds) ---------------------------------------
@@ -84,11 +84,12 @@ def attention_gate_reference(out, logits) -> torch.Tensor:
 
 
 # -- qk-norm + split RoPE ----------------------------------------------------------------------------------------
-def split_rope_reference(x: torch.Tensor, tables: Tables) -> torch.Tensor:
+def split_rope_reference(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """diffusers' `apply_split_rotary_emb` on x [B, S, H·D] with tables [1, H, S, D/2]: heads-major layout, each
     head's halves (first, second) in fp32, `out = x·cos`, then `first_out -= sin·second` and `second_out +=
     sin·first` with `addcmul_`, rounded to x's dtype."""
-    cos, sin = tables
+    cos, sin = tables.cos, tables.sin
+    assert cos is not None and sin is not None, "the split RoPE's tables are real"
     B, S, _ = x.shape
     H = cos.shape[1]
     xh = x.reshape(B, S, H, -1).swapaxes(1, 2)
@@ -104,7 +105,7 @@ def split_rope_reference(x: torch.Tensor, tables: Tables) -> torch.Tensor:
 
 
 def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int,
-                           tables: Tables | None) -> torch.Tensor:
+                           tables: RopeTables | None) -> torch.Tensor:
     """diffusers' `torch.nn.RMSNorm(H·D)`: PyTorch's own `rms_norm` (a reduction, so its own call; rounded to bf16
     once), then the split RoPE from that bf16 value if tables are given. Returns [B, S, H, D]."""
     y = F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -113,7 +114,7 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, he
     return y.unflatten(-1, (heads, -1))
 
 
-def rope_tables_reference(config: LTX2Config, grid: tuple[int, int, int], fps: float, device) -> Tables:
+def rope_tables_reference(config: LTX2Config, grid: tuple[int, int, int], fps: float, device) -> RopeTables:
     """`LTX2AudioVideoRotaryPosEmbed.prepare_video_coords` then its forward, for one sample (the tables are the same
     for every sample): pixel-space patch bounds [start, end) per axis (the frame axis shifted by the causal offset,
     clamped at 0 and divided by fps), their midpoint over the base sizes, and the frequencies
@@ -163,7 +164,7 @@ def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -
         Patch("attention_gate", "2·sigmoid(logits) rounded to bf16 before the per-head product",
               set_on(AttentionGate, "impl", attention_gate_reference)),
         Patch("qk_norm_rope", "qk RMSNorm rounded to bf16, then split RoPE in fp32 with addcmul_, rounded",
-              set_on(QKNormRope, "impl", qk_norm_rope_reference)),
+              set_on(QKNormAcrossHeadsRope, "impl", qk_norm_rope_reference)),
         Patch("rope_tables", "RoPE tables from pixel-space patch bounds and float64 frequencies, as diffusers",
               set_on(RotaryEmbedding, "impl", rope_tables_reference)),
         Patch("unpacked_qkv", "separate q/k/v/gate GEMMs with the bias in the same call",

@@ -8,10 +8,11 @@ and computes the video stream only. Isolated video is off the model's joint audi
 main pass runs with the modalities joined.
 
 Built from a checkpoint's transformer config (never assuming a size); weights come from diffusers-format tensors
-through `weights.py`. Fast paths, as a serving engine has them: one packed GEMM for q/k/v and the attention gate,
-fused fp32 RMSNorm + modulation, fused gated residuals, fused qk-norm + RoPE, fp32 RoPE tables, the text mask left
-out when every token is valid. The `ltx` patch group (`patches.py`) swaps them for train-exact arithmetic. The model
-knows nothing of files or parallelism.
+through `weights.py`. Its blocks are wired from the shared `trueflow.layers`, whose fast paths are a serving
+engine's: one packed GEMM for q/k/v and the attention gate, fused fp32 RMSNorm + modulation, fused gated residuals,
+fused qk-norm + RoPE; its own are the fp32 RoPE tables and the text mask left out when every token is valid. The
+`ltx` patch group (`patches.py`) swaps them for train-exact arithmetic. The model knows nothing of files or
+parallelism.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ...layers.attention import attention
+from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
-
-Tables = tuple[torch.Tensor, torch.Tensor]  # split-RoPE (cos, sin), each [1, heads, tokens, head_dim / 2] fp32
+from ...layers.modulation import AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift
+from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
+from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 
 @dataclass(frozen=True)
@@ -92,22 +95,10 @@ class LTX2Config:
 
 
 # -- timestep ------------------------------------------------------------------------------------------------
-TIMESTEP_CHANNELS = 256
-
-
-def timestep_proj(t: torch.Tensor) -> torch.Tensor:
-    """Sinusoidal projection of the timestep `t` (fp32, 0..1000, as the pipeline passes it: no rounding of t) with
-    flip_sin_to_cos: [cos, sin] of `t·ω`, `ω = exp(i·(-ln 10000 / 128))`. Bitwise diffusers' `Timesteps`, which
-    computes the exponent as `(-ln 10000 · i) / 128`: dividing by 128 is exact, so both orders round alike."""
-    half = TIMESTEP_CHANNELS // 2
-    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / half))
-    args = t.float()[:, None] * freqs[None, :]
-    return torch.cat([args.cos(), args.sin()], dim=-1)
-
-
 class AdaLNSingle(nn.Module):
-    """diffusers' `LTX2AdaLayerNormSingle`: the timestep embedding (`linear_2(SiLU(linear_1(proj(t))))`) and the
-    `n` modulation rows computed from it (`linear(SiLU(emb))`)."""
+    """diffusers' `LTX2AdaLayerNormSingle`: the timestep embedding (`linear_2(SiLU(linear_1(proj(t))))`, the
+    timestep as the pipeline passes it, fp32 0..1000, unrounded) and the `n` modulation rows computed from it
+    (`linear(SiLU(emb))`)."""
 
     def __init__(self, dim: int, n: int):
         super().__init__()
@@ -146,19 +137,20 @@ def video_positions(config: LTX2Config, grid: tuple[int, int, int], fps: float, 
     return torch.stack(mesh, dim=-1).reshape(-1, 3)
 
 
-def split_tables(angles: torch.Tensor, inner_dim: int, heads: int) -> Tables:
-    """Angles [S, n·3] (frequency-major: each frequency's three axes together) -> split-RoPE (cos, sin) per head
-    [1, H, S, D/2], the first `inner_dim/2 - 3n` channels padded with the identity rotation."""
+def split_tables(angles: torch.Tensor, inner_dim: int, heads: int) -> RopeTables:
+    """Angles [S, n·3] (frequency-major: each frequency's three axes together) -> split-RoPE tables, cos and sin per
+    head [1, H, S, D/2] (fp32), the first `inner_dim/2 - 3n` channels padded with the identity rotation."""
     pad = inner_dim // 2 - angles.shape[-1]
     cos, sin = angles.cos(), angles.sin()
     if pad:
         cos = torch.cat([torch.ones_like(cos[:, :pad]), cos], dim=-1)
         sin = torch.cat([torch.zeros_like(sin[:, :pad]), sin], dim=-1)
     S = angles.shape[0]
-    return tuple(t.reshape(S, heads, -1).transpose(0, 1).unsqueeze(0) for t in (cos, sin))
+    cos, sin = (t.reshape(S, heads, -1).transpose(0, 1).unsqueeze(0) for t in (cos, sin))
+    return RopeTables(cos=cos, sin=sin, pairs="split")
 
 
-def rope_tables_fused(config: LTX2Config, grid: tuple[int, int, int], fps: float, device) -> Tables:
+def rope_tables_fused(config: LTX2Config, grid: tuple[int, int, int], fps: float, device) -> RopeTables:
     """The video self-attention's RoPE tables in fp32 on the device: `θ^linspace(0, 1, n)·π/2` per frequency,
     times `2·position - 1` per axis."""
     n = config.inner_dim // 6
@@ -178,131 +170,14 @@ class RotaryEmbedding(nn.Module):
         self.impl = rope_tables_fused
         self._cache: dict = {}
 
-    def forward(self, grid: tuple[int, int, int], fps: float, device) -> Tables:
+    def forward(self, grid: tuple[int, int, int], fps: float, device) -> RopeTables:
         key = (self.impl, tuple(grid), float(fps), str(device))
         if key not in self._cache:
             self._cache[key] = self.impl(self.config, tuple(grid), float(fps), device)
         return self._cache[key]
 
 
-# -- fused elementwise ops (fp32 inside, one rounding) ---------------------------------------------------------
-# Modulation rows arrive as [B, 1 or S, D] and broadcast over the tokens.
-def rms_norm_scale_shift_fused(x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None,
-                               eps: float) -> torch.Tensor:
-    """`RMSNorm(x)·(1+scale)+shift` (no norm weight) in fp32, one rounding; without scale, the bare norm."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if scale is not None:
-        y = y * (1 + scale.float()) + shift.float()
-    return y.to(x.dtype)
-
-
-def scale_shift_fused(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x·(1+scale)+shift` in fp32, one rounding (the text's per-block key/value modulation)."""
-    return (x.float() * (1 + scale.float()) + shift.float()).to(x.dtype)
-
-
-def gated_residual_fused(y: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`residual + y·gate` in fp32, one rounding."""
-    return (residual.float() + y.float() * gate.float()).to(residual.dtype)
-
-
-def layer_norm_scale_shift_fused(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """`LN(x)·(1+scale)+shift` in fp32, one rounding (the output norm)."""
-    y = F.layer_norm(x.float(), (x.shape[-1],), eps=eps) * (1 + scale.float()) + shift.float()
-    return y.to(x.dtype)
-
-
-def attention_gate_fused(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Per-head gate `out·2σ(logits)` (out [B, S, H, D], logits [B, S, H]) in fp32, one rounding."""
-    return (out.float() * (2.0 * torch.sigmoid(logits.float())).unsqueeze(-1)).to(out.dtype)
-
-
-def qk_norm_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int,
-                       tables: Tables | None) -> torch.Tensor:
-    """RMSNorm across all heads (x [B, S, H·D]) with its weight, then the split rotation of each head's halves
-    (a, b) -> (a·cos - b·sin, b·cos + a·sin), all in fp32, one rounding. Returns [B, S, H, D]."""
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).unflatten(-1, (heads, -1))
-    if tables is not None:
-        cos, sin = (t[0].transpose(0, 1) for t in tables)  # [S, H, D/2]
-        a, b = y.unflatten(-1, (2, -1)).unbind(-2)
-        y = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-    return y.to(x.dtype)
-
-
-class RMSNormScaleShift(nn.Module):
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.impl = rms_norm_scale_shift_fused
-
-    def forward(self, x, shift=None, scale=None) -> torch.Tensor:
-        return self.impl(x, shift, scale, self.eps)
-
-
-class ScaleShift(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.impl = scale_shift_fused
-
-    def forward(self, x, shift, scale) -> torch.Tensor:
-        return self.impl(x, shift, scale)
-
-
-class GatedResidual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.impl = gated_residual_fused
-
-    def forward(self, y, gate, residual) -> torch.Tensor:
-        return self.impl(y, gate, residual)
-
-
-class AttentionGate(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.impl = attention_gate_fused
-
-    def forward(self, out, logits) -> torch.Tensor:
-        return self.impl(out, logits)
-
-
-class QKNormRope(nn.Module):
-    """RMSNorm across heads (diffusers' `torch.nn.RMSNorm(heads·head_dim)`), then RoPE if tables are given."""
-
-    def __init__(self, dim: int, heads: int, eps: float):
-        super().__init__()
-        self.eps, self.heads = eps, heads
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.impl = qk_norm_rope_fused
-
-    def forward(self, x: torch.Tensor, tables: Tables | None) -> torch.Tensor:
-        return self.impl(x, self.weight, self.eps, self.heads, tables)
-
-
-# -- attention -------------------------------------------------------------------------------------------------
-# "sdpa": PyTorch picks the kernel for the call it is given (what diffusers' `native` backend runs); the others pin
-# one kernel, as diffusers' `_native_math` / `_native_efficient` / `_native_flash` / `_native_cudnn` do.
-KERNELS = {"sdpa": None, "math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-           "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              kernel: str) -> torch.Tensor:
-    """q [B, S, H, D], k/v [B, L, H, D]; mask: None, bool [B, 1, 1, L] (True = attend) or an additive bias
-    [B, H, 1, L]. Returns [B, S, H, D]. The permuted views are what diffusers' native backends hand SDPA."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
-    q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
-    if KERNELS[kernel] is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    else:
-        with sdpa_kernel(KERNELS[kernel]):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.permute(0, 2, 1, 3)
-
-
+# -- blocks --------------------------------------------------------------------------------------------------
 class SelfAttention(nn.Module):
     """Video self-attention: q, k, v (and the per-head gate logits) from one packed GEMM, qk-norm + RoPE, SDPA, the
     gate, the output projection."""
@@ -313,12 +188,12 @@ class SelfAttention(nn.Module):
         self.heads, self.gated = heads, gated
         splits = (inner, inner, inner) + ((heads,) if gated else ())
         self.to_qkv = Linear(dim, sum(splits), bias=bias, splits=splits)
-        self.norm_q, self.norm_k = QKNormRope(inner, heads, eps), QKNormRope(inner, heads, eps)
+        self.norm_q, self.norm_k = QKNormAcrossHeadsRope(inner, heads, eps), QKNormAcrossHeadsRope(inner, heads, eps)
         self.gate = AttentionGate()
         self.to_out = Linear(inner, dim, bias=out_bias)
         self.backend = "sdpa"
 
-    def forward(self, x: torch.Tensor, tables: Tables) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
         q, k, v, *logits = self.to_qkv(x)
         out = attention(self.norm_q(q, tables), self.norm_k(k, tables), v.unflatten(-1, (self.heads, -1)), None,
                         self.backend)
@@ -339,7 +214,7 @@ class CrossAttention(nn.Module):
         splits = (inner,) + ((heads,) if gated else ())
         self.to_q_gate = Linear(dim, sum(splits), bias=bias, splits=splits)
         self.to_kv = Linear(cross_dim, 2 * inner, bias=bias, splits=(inner, inner))
-        self.norm_q, self.norm_k = QKNormRope(inner, heads, eps), QKNormRope(inner, heads, eps)
+        self.norm_q, self.norm_k = QKNormAcrossHeadsRope(inner, heads, eps), QKNormAcrossHeadsRope(inner, heads, eps)
         self.gate = AttentionGate()
         self.to_out = Linear(inner, dim, bias=out_bias)
         self.backend = "sdpa"
@@ -352,16 +227,6 @@ class CrossAttention(nn.Module):
         if self.gated:
             out = self.gate(out, logits[0])
         return self.to_out(out.flatten(2, 3))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, bias: bool, mult: int = 4):
-        super().__init__()
-        self.proj_in = Linear(dim, dim * mult, bias=bias)
-        self.proj_out = Linear(dim * mult, dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(F.gelu(self.proj_in(x), approximate="tanh"))
 
 
 class TransformerBlock(nn.Module):
@@ -384,7 +249,7 @@ class TransformerBlock(nn.Module):
                                     c.gated_attn, c.attention_bias, c.attention_out_bias, eps)
         self.text_mod = ScaleShift()
         self.attn1_residual, self.attn2_residual, self.ff_residual = GatedResidual(), GatedResidual(), GatedResidual()
-        self.ff = FeedForward(dim, c.ff_bias)
+        self.ff = FeedForward(dim, 4 * dim, bias=c.ff_bias)
 
     def forward(self, x, text, temb, temb_prompt, tables, text_mask) -> torch.Tensor:
         params = mod_params(self.scale_shift_table, temb)
@@ -410,16 +275,6 @@ class CaptionProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
-
-
-class LayerNormScaleShift(nn.Module):
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.impl = layer_norm_scale_shift_fused
-
-    def forward(self, x, shift, scale) -> torch.Tensor:
-        return self.impl(x, shift, scale, self.eps)
 
 
 # The audio stream's inputs and switches, which the video output does not read with the modalities isolated (the

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ... import kernels
 from ...layers.linear import Linear
-from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayerNormScaleShift
+from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
 from ...layers.rope import QKNormRope, RopeTables, into
 from ...patches import Patch, PatchGroup, set_on
@@ -53,10 +53,10 @@ def scale_residual_layer_norm_scale_shift_reference(residual, y, gate, shift, sc
     return r, layer_norm_scale_shift_reference(r, shift, scale, eps)
 
 
-def mul_add_reference(a, b, c, k: float) -> torch.Tensor:
-    """Eager `c + a·(k+b)`. For k == 0 (the gated residual `c + b·a`) the `0 + b` is skipped: it is exact except
-    that it turns -0 into +0, which diffusers never does."""
-    return c + a * b[:, None] if k == 0 else c + a * (k + b[:, None])
+def gated_residual_reference(y, gate, residual) -> torch.Tensor:
+    """diffusers' `hidden_states + gate.unsqueeze(1) * output` (the product rounded, then the sum; the product
+    commutes exactly)."""
+    return residual + y * gate[:, None]
 
 
 # -- qk-norm + RoPE ------------------------------------------------------------------------------------------
@@ -116,15 +116,16 @@ def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
     return layer_norm_scale_shift_reference(x, shift, scale, eps)
 
 
-def mul_add_exact(a, b, c, k: float) -> torch.Tensor:
-    if _exact_kernels(a, b, c):
-        return kernels.ops().mul_add_eager_bf16(a, b, c, k)
-    return mul_add_reference(a, b, c, k)
+def gated_residual_exact(y, gate, residual) -> torch.Tensor:
+    """The eager mul-add kernel `c + a·(k+b)` with k = 0, which rounds the product, then the sum."""
+    if _exact_kernels(y, gate, residual):
+        return kernels.ops().mul_add_eager_bf16(y, gate, residual, 0.0)
+    return gated_residual_reference(y, gate, residual)
 
 
 def scale_residual_layer_norm_scale_shift_exact(residual, y, gate, shift, scale, eps: float):
-    """`residual + gate·y` is `mul_add` with k = 0 (the product commutes exactly); the norm reads the rounded sum."""
-    r = mul_add_exact(y, gate, residual, 0.0)
+    """`residual + gate·y` is the gated residual; the norm reads the rounded sum."""
+    r = gated_residual_exact(y, gate, residual)
     return r, layer_norm_scale_shift_exact(r, shift, scale, eps)
 
 
@@ -205,8 +206,8 @@ def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -
         Patch("scale_residual_layer_norm_scale_shift",
               "residual + gate·y rounded twice; the norm reads the rounded residual",
               set_on(ScaleResidualLayerNormScaleShift, "impl", scale_residual_layer_norm_scale_shift_exact)),
-        Patch("mul_add", "eager bf16 c + a·(k+b) instead of one fp32 rounding",
-              set_on(MulAdd, "impl", mul_add_exact)),
+        Patch("mul_add", "the gated residual c + a·b in eager bf16 (product, then sum) instead of one fp32 rounding",
+              set_on(GatedResidual, "impl", gated_residual_exact)),
         Patch("qk_norm_rope", "qk-norm rounded to bf16, then complex-multiplication RoPE from diffusers-built tables",
               _qk_norm_rope),
         Patch("contiguous_split", "joint-attention output slices made contiguous before to_out/to_add_out",

@@ -1,15 +1,14 @@
 """The rollout engine's Qwen-Image transformer (MMDiT), readable top to bottom.
 
 Built from a checkpoint's transformer config (never assuming a size); weights come from diffusers-format
-tensors through `weights.py`. Fast paths, as a serving engine has them: packed q/k/v GEMMs, fused fp32
-RMSNorm, fused LayerNorm + scale/shift and residual-gate, fused mul-add, fused qk-norm + RoPE from real cos/sin
-tables, the timestep kept in fp32. A rollout patch group (`patches.py`) swaps them for train-exact arithmetic.
-The model knows nothing of files or parallelism.
+tensors through `weights.py`. Its blocks are wired from the shared `trueflow.layers`, whose fast paths are a
+serving engine's: packed q/k/v GEMMs, fused fp32 RMSNorm, fused LayerNorm + scale/shift and residual-gate, the fused
+gated residual, fused qk-norm + RoPE from real cos/sin tables, and the timestep kept in fp32. A rollout patch group
+(`patches.py`) swaps them for train-exact arithmetic. The model knows nothing of files or parallelism.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -17,10 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...layers.attention import attention, joint_buffer
+from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
-from ...layers.modulation import LayerNormScaleShift, MulAdd, ScaleResidualLayerNormScaleShift
+from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
 from ...layers.rope import QKNormRope, RopeTables, rope_tables_fused
+from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,10 @@ class QwenImageConfig:
 
 
 # -- timestep ------------------------------------------------------------------------------------------------
-TIMESTEP_CHANNELS = 256
-
-
 def timestep_proj_fused(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sinusoidal projection of the schedule timestep `t` (fp32, 0..1000) with flip_sin_to_cos: [cos, sin] of
-    `t·ω`, in fp32 from the fp32 timestep (the model's /1000 and the embedder's ·1000 cancel exactly)."""
-    half = TIMESTEP_CHANNELS // 2
-    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / half))
-    args = t.float()[:, None] * freqs[None, :]
-    return torch.cat([args.cos(), args.sin()], dim=-1).to(dtype)
+    """The sinusoid of the schedule timestep `t` (fp32, 0..1000) in fp32 from the fp32 timestep (the model's /1000
+    and the embedder's ·1000 cancel exactly), rounded to `dtype` once."""
+    return timestep_proj(t).to(dtype)
 
 
 class TimestepEmbedding(nn.Module):
@@ -162,16 +157,6 @@ class JointAttention(nn.Module):
         return self.to_out(img_out), self.to_add_out(txt_out)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, mult: int = 4):
-        super().__init__()
-        self.proj_in = Linear(dim, dim * mult)
-        self.proj_out = Linear(dim * mult, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(F.gelu(self.proj_in(x), approximate="tanh"))
-
-
 class TransformerBlock(nn.Module):
     """Dual-stream block. Modulation rows per stream: (shift, scale, gate) for the attention half, then for the
     MLP half."""
@@ -184,8 +169,8 @@ class TransformerBlock(nn.Module):
         self.attn = JointAttention(dim, heads, head_dim, eps)
         self.img_norm2 = ScaleResidualLayerNormScaleShift(eps)
         self.txt_norm2 = ScaleResidualLayerNormScaleShift(eps)
-        self.img_mlp, self.txt_mlp = FeedForward(dim), FeedForward(dim)
-        self.img_gate_add, self.txt_gate_add = MulAdd(k=0.0), MulAdd(k=0.0)
+        self.img_mlp, self.txt_mlp = FeedForward(dim, 4 * dim), FeedForward(dim, 4 * dim)
+        self.img_gate_add, self.txt_gate_add = GatedResidual(), GatedResidual()
 
     def forward(self, img, txt, temb_act, rope, mask):
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(temb_act).chunk(6, dim=-1)
