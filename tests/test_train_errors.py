@@ -278,6 +278,51 @@ def test_a_failing_reward_stops_with_the_last_checkpoint_intact(saved_run, tmp_p
     assert digest(run) == before, "the failed rollout changed no file of the run"
 
 
+def test_a_failing_reward_before_any_checkpoint_says_none_exists(saved_run, tmp_path, capsys, monkeypatch):
+    """At the default cadence (--save-every 10) a reward failing at the first rollout finds no checkpoint: the line
+    says so and how to start again, instead of promising an intact one."""
+    src, argv = saved_run
+    monkeypatch.syspath_prepend(str(src.parent))
+    monkeypatch.setenv("TRUEFLOW_TEST_REWARD", "nan")
+    i = argv.index("--save-every")
+    fresh = [*argv[:i], *argv[i + 2:]]
+    fresh[fresh.index("--output-dir") + 1] = str(tmp_path / "run")
+    capsys.readouterr()
+    rc = main(fresh)
+    line = assert_one_line_error(rc, capsys.readouterr().err, "returned nan for image 0",
+                                 "no checkpoint was written before it stopped", "start again with --resume auto")
+    assert "is intact" not in line and ckpt.latest_checkpoint(tmp_path / "run") is None
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes(saved_run, tmpfs, capsys, monkeypatch):
+    """ENOSPC in a real run, its folder on a small tmpfs: the save of step 3 fails with one line naming the folder,
+    the bytes needed and free; no temporary folder stays, step 2 is untouched, and with room again `--resume`
+    finishes the run."""
+    src, argv = saved_run
+    monkeypatch.syspath_prepend(str(src.parent))
+    disk = tmpfs(64 << 20)
+    run = disk / "run"
+    shutil.copytree(src, run)
+    st = os.statvfs(disk)
+    one = sum(f.stat().st_size for f in (src / "checkpoints" / "step-000002").iterdir())
+    tmpfs((st.f_blocks - st.f_bfree) * st.f_frsize + one // 2, disk)  # room for a metrics line, not a checkpoint
+    before = digest(run / "checkpoints")
+    capsys.readouterr()
+    rc = main(resume(argv, run))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    errors = [line.partition("trueflow train: error: ")[2] for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err  # (on the line of the progress bar, which is redrawn below it when it closes)
+    for fragment in (f"cannot write checkpoint {run / 'checkpoints' / 'step-000003'} (the disk is full)", "bytes,",
+                     "are free there", "step-000002 is intact: free space and --resume"):
+        assert fragment in errors[0], (fragment, errors[0])
+    assert digest(run / "checkpoints") == before, "no temporary folder left, the checkpoints untouched"
+    tmpfs(64 << 20, disk)
+    assert main(resume(argv, run)) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    assert ckpt.latest_checkpoint(run).name == "step-000003"
+
+
 def test_a_resume_past_a_truncated_checkpoint_runs_on(saved_run, tmp_path, capsys, monkeypatch):
     src, argv = saved_run
     run = tmp_path / "run"

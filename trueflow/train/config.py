@@ -158,8 +158,10 @@ class TrainConfig(BaseModel):
     pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
                                  "parallel", ge=1)
     # checkpoint
-    save_every: int = _f(0, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
-                            "0: at the end only)", "checkpoint", ge=0)
+    save_every: int = _f(10, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
+                             "0: at the end only)", "checkpoint", ge=0)
+    keep_checkpoints: int = _f(3, "after each checkpoint, prune all but the N newest complete ones (the latest is "
+                                  "never pruned; 0: keep all)", "checkpoint", ge=0)
     resume: bool = _f(False, "continue from the latest complete checkpoint in output_dir", "checkpoint")
     # reward
     reward: str = _f("redness", "reward spec: name, name:w,name2:w2, module:function or http://HOST:PORT",
@@ -441,7 +443,8 @@ class TrainConfig(BaseModel):
 
 # What a resumed run may change: where it writes, how long it runs, what it logs, where its parts run (placement
 # changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
-RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
+RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
+                               "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
