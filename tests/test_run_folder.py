@@ -1,10 +1,16 @@
-"""The run folder under faults, on checkpoints written by the real writer: --keep-checkpoints (the latest is never
-pruned), and checkpoint writes that fail (a full disk on a tmpfs, any other write error, a killed run's leftover
-temporary folder)."""
+"""The run folder under faults and neighbours, on checkpoints written by the real writer: its lock (a live holder
+refuses a second run and a --resume in one line naming its pid and host; a SIGKILLed holder's lock, a reused pid's
+and another boot's are taken over), --keep-checkpoints (the latest is never pruned), and checkpoint writes that fail
+(a full disk on a tmpfs, any other write error, a killed run's leftover temporary folder)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +19,14 @@ import torch
 
 from trueflow.train import checkpoint as ckpt
 from trueflow.train.config import TrainConfig
+from trueflow.train.lock import (LOCK_FILE, RunFolderLocked, RunLock, holding_run_lock, lock_run_folder,
+                                 takes_lock)
+
+from test_train_errors import assert_one_line_error, train
+
+# A process that holds the lock of the folder argv[1] until its stdin closes.
+HOLDER = ("import sys; from trueflow.train.lock import RunLock; lock = RunLock(sys.argv[1]); lock.acquire(); "
+          "print('held', flush=True); sys.stdin.read(); lock.release()")
 
 
 def save(root: Path, step: int, elements: int = 6, keep: int = 0) -> Path:
@@ -33,6 +47,113 @@ def expected_bytes(elements: int) -> int:
 
 def steps(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "checkpoints").iterdir() if p.name != "latest")
+
+
+@pytest.fixture()
+def holder(tmp_path):
+    """A live process of this host holding the lock of `tmp_path / "run"`."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield run, proc
+    proc.kill()
+    proc.wait()
+
+
+# -- the lock -------------------------------------------------------------------------------------------------------
+def test_a_live_holder_refuses_a_second_run_and_a_resume(holder, capsys):
+    run, proc = holder
+    lock = (run / LOCK_FILE).read_bytes()
+    held = json.loads(lock)
+    assert (held["pid"], held["host"]) == (proc.pid, socket.gethostname())
+    with pytest.raises(RunFolderLocked, match=f"pid {proc.pid} on host {socket.gethostname()}"):
+        RunLock(run).acquire()
+    for resume in ([], ["--resume"], ["--resume", "auto"]):
+        rc, _, err = train(capsys, "--output-dir", str(run), *resume)
+        assert_one_line_error(rc, err, f"--output-dir {run} is in use by a running trueflow train",
+                              f"pid {proc.pid} on host {socket.gethostname()}", "another --output-dir")
+    assert (run / LOCK_FILE).read_bytes() == lock, "a refused run leaves the holder's lock alone"
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert not (run / LOCK_FILE).exists(), "the holder removed its lock"
+
+
+def test_a_sigkilled_holder_leaves_a_stale_lock_that_is_taken_over(holder):
+    run, proc = holder
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == proc.pid, "SIGKILL runs no cleanup"
+    lock = RunLock(run)
+    with pytest.warns(UserWarning, match=f"its run \\(pid {proc.pid} on host .*\\) is gone"):
+        lock.acquire()
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (run / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("change, stale", [
+    ({}, False),  # this very process: alive
+    ({"start_time": -1}, True),  # its pid now belongs to a process started at another time
+    ({"boot_id": "another-boot"}, True),  # written before a reboot
+    ({"pid": 2**22 + 1}, True),  # above Linux's pid_max: no such process
+])
+def test_a_lock_is_alive_only_with_its_pid_boot_and_start_time(tmp_path, change, stale):
+    mine = RunLock(tmp_path)
+    mine.acquire()
+    record = {**json.loads((tmp_path / LOCK_FILE).read_text()), **change}
+    mine.me = None  # forget it, so the forged record below is someone else's
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+    if stale:
+        with pytest.warns(UserWarning, match="is gone"):
+            RunLock(tmp_path).acquire()
+    else:
+        with pytest.raises(RunFolderLocked, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+
+
+def test_a_lock_that_cannot_be_checked_refuses_with_the_fix(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "then"}))
+    with pytest.raises(RunFolderLocked, match=f"locked by a run on another host \\(pid 1 on host elsewhere.*delete "
+                                              f"{tmp_path / LOCK_FILE}"):
+        RunLock(tmp_path).acquire()
+    (tmp_path / LOCK_FILE).write_text("garbage")
+    with pytest.raises(RunFolderLocked, match="not a lock trueflow wrote.*delete it"):
+        RunLock(tmp_path).acquire()
+
+
+def test_one_process_of_a_run_takes_the_lock_and_releases_it_on_every_way_out(tmp_path, monkeypatch):
+    """torchrun's rank 0 takes it, its other ranks (the same run) never look; a Ray run's driver takes it, its
+    actors (RANK set, `ray`) run inside it; the entry point releases it when the run fails too."""
+    plain, ray = TrainConfig(), TrainConfig(ray=True)
+    monkeypatch.delenv("RANK", raising=False)
+    assert takes_lock(plain) and takes_lock(ray)  # one process; a Ray driver
+    for rank, expected in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert takes_lock(plain) is expected and takes_lock(ray) is False
+
+    seen = []
+
+    @holding_run_lock
+    def failing_run(cfg: TrainConfig, folder: Path) -> None:
+        lock_run_folder(cfg, folder)
+        seen.append((folder / LOCK_FILE).is_file())
+        raise ValueError("the run failed")
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="the run failed"):
+        failing_run(plain, tmp_path)
+    assert seen == [True] and not (tmp_path / LOCK_FILE).exists(), "held during the run, released on its error"
+    foreign = json.dumps({"pid": 1, "host": "elsewhere"})  # a lock that refuses whoever looks at it
+    (tmp_path / LOCK_FILE).write_text(foreign)
+    for rank, cfg in (("1", plain), ("0", ray)):  # torchrun's rank 1; a Ray run's rank-0 actor
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(ValueError, match="the run failed"):  # not RunFolderLocked: it never looked
+            failing_run(cfg, tmp_path)
+    assert (tmp_path / LOCK_FILE).read_text() == foreign
+    with pytest.raises(RuntimeError, match="outside a @holding_run_lock entry point"):
+        lock_run_folder(plain, tmp_path.parent)
 
 
 # -- pruning --------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from trueflow.cli import main
 from trueflow.train import checkpoint as ckpt
 from trueflow.train.config import TrainConfig, resume_changes
+from trueflow.train.lock import LOCK_FILE
 from trueflow.train.run import DEFAULT_CHECKPOINT
 from trueflow.train.metrics import read_metrics
 
@@ -214,6 +215,7 @@ class _Opaque:
     (["--sampler", "cps"], "--rollout.sampler cps (the run has sde)"),
     (["--seed", "1"], "--seed 1 (the run has 0)"),
     (["--checkpoint", "pipe"], "--model.checkpoint pipe (the run has runs/tiny-checkpoint)"),
+    (["--resume", "auto", "--lr", "0.1"], "--optim.lr 0.1 (the run has 0.003)"),  # auto: that checkpoint too
 ])
 def test_a_resume_refuses_settings_that_change_the_math(tmp_path, capsys, monkeypatch, argv, shown):
     monkeypatch.chdir(tmp_path)
@@ -317,6 +319,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes(saved_run, tmpfs, 
                      "are free there", "step-000002 is intact: free space and --resume"):
         assert fragment in errors[0], (fragment, errors[0])
     assert digest(run / "checkpoints") == before, "no temporary folder left, the checkpoints untouched"
+    assert not (run / LOCK_FILE).exists()
     tmpfs(64 << 20, disk)
     assert main(resume(argv, run)) == 0, capsys.readouterr().err
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
@@ -358,3 +361,4 @@ def test_a_failing_reward_stops_every_rank(tiny_checkpoint, tmp_path):
     assert proc.stderr.count("trueflow train: error: reward") == 2, proc.stderr[-3000:]
     assert proc.stderr.count("returned nan for image 0") == 2 and "exitcode  : 2" in proc.stderr
     assert "/trueflow/" not in proc.stderr, "no traceback through trueflow (torchrun prints its own)"
+    assert not (tmp_path / "run" / LOCK_FILE).exists(), "rank 0 released the run folder's lock on the error"
