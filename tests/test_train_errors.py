@@ -296,6 +296,21 @@ def test_a_failing_reward_before_any_checkpoint_says_none_exists(saved_run, tmp_
     assert "is intact" not in line and ckpt.latest_checkpoint(tmp_path / "run") is None
 
 
+def test_ctrl_c_names_the_checkpoint_a_resume_continues_from(tmp_path, capsys, monkeypatch):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("trueflow.train.run.run_training", interrupted)
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run)]) == 130
+    assert capsys.readouterr().err == (f"trueflow train: interrupted (no checkpoint was written before it stopped "
+                                       f"(none in {run / 'checkpoints'}): start again with --resume auto)\n")
+    latest = fake_checkpoint(run, 1, TrainConfig(output_dir=str(run)))
+    assert main(["train", "--output-dir", str(run)]) == 130
+    assert capsys.readouterr().err == (f"trueflow train: interrupted (its last checkpoint is intact ({latest}): "
+                                       "--resume continues from it)\n")
+
+
 def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes(saved_run, tmpfs, capsys, monkeypatch):
     """ENOSPC in a real run, its folder on a small tmpfs: the save of step 3 fails with one line naming the folder,
     the bytes needed and free; no temporary folder stays, step 2 is untouched, and with room again `--resume`

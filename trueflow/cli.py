@@ -189,6 +189,7 @@ def _run_train(a: argparse.Namespace) -> int:
         return 0
     from .ray import RayRunError
     from .rewards.base import RewardError
+    from .train.checkpoint import resume_point
     from .train.run import run_training
 
     try:
@@ -202,12 +203,10 @@ def _run_train(a: argparse.Namespace) -> int:
         print(f"trueflow train: error: {e}", file=sys.stderr)
         return 1
     except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint (if any) intact
-        from .train.checkpoint import resume_point
-
         raise ValueError(f"{e} (the run stopped; fix the reward; {resume_point(cfg.output_dir)}; or "
                          "--reward-on-error skip drops failing prompt groups)") from None
     except KeyboardInterrupt:  # Ctrl-C: what was written stays; the run resumes from its last checkpoint
-        print("trueflow train: interrupted (--resume continues from the last checkpoint)", file=sys.stderr)
+        print(f"trueflow train: interrupted ({resume_point(cfg.output_dir)})", file=sys.stderr)
         return 130
     if out is not None:
         print(f"run written to {out} (metrics.jsonl, summary.md, samples/, checkpoints/)")

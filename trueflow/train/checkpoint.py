@@ -91,7 +91,6 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
     checkpoints (`prune`). Returns the checkpoint folder. Any write error (a full disk) raises CheckpointWriteError
     with the folder as it was before the call: no temporary folder left, the previous checkpoints untouched."""
     ckpts = root / "checkpoints"
-    ckpts.mkdir(parents=True, exist_ok=True)
     final = ckpts / f"step-{step:06d}"
     tmp = ckpts / f"{TMP_PREFIX}step-{step:06d}"
     remove_leftovers(ckpts)  # a killed or failed save's temporary folder would hold its share of the disk
@@ -100,6 +99,7 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
         extra["scheduler"] = scheduler
     renamed, failure = False, None
     try:
+        ckpts.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors
         # metadata, which `load_lora_weights` reads for alpha and targets.
@@ -155,7 +155,7 @@ def payload_bytes(*states) -> int:
 def _write_failure(ckpts: Path, name: str, error: str, code: int | None, needed: int) -> str:
     """One line: what failed (`error`, its errno `code`), the bytes the checkpoint needs and those free, the
     checkpoint that remains."""
-    free = shutil.disk_usage(ckpts).free
+    free = shutil.disk_usage(ckpts if ckpts.is_dir() else ckpts.parent).free
     # torch.save reports a full disk without its errno (a RuntimeError "... unexpected pos"), safetensors as text.
     full = code == errno.ENOSPC or "No space left" in error or free < needed
     before = latest_checkpoint(ckpts.parent)
