@@ -33,6 +33,36 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
+@pytest.fixture()
+def tmpfs(tmp_path: Path):
+    """`tmpfs(size)`: a folder on a new tmpfs of `size` bytes (a small disk that fills up); `tmpfs(size, folder)`
+    remounts it at a new size, its files kept. Skips where mounting is refused (it needs root)."""
+    import subprocess
+
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here: a full disk needs a tmpfs")
+    mounted: list[Path] = []
+
+    def mount(size: int, where: Path | None = None) -> Path:
+        options = f"size={size}" + (",remount" if where is not None else "")
+        where = where if where is not None else tmp_path / f"disk{len(mounted)}"
+        where.mkdir(exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({' '.join(proc.stderr.split())}): a full disk needs one")
+        if where not in mounted:
+            mounted.append(where)
+        return where
+
+    yield mount
+    import gc
+
+    gc.collect()  # tensors read back with safetensors map their file; a test's traceback cycle may still hold some
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> tuple[dict, dict]:
     """The tiny Qwen-Image transformer's config and seeded bf16 diffusers state dict (a module may define its own

@@ -20,6 +20,7 @@ import ray  # noqa: E402
 
 from trueflow.cli import main
 from trueflow.train.checkpoint import load_latest
+from trueflow.train.lock import LOCK_FILE
 from trueflow.train.metrics import read_metrics
 
 from conftest import TRUEFLOW_EXE
@@ -116,6 +117,7 @@ def test_killed_engine_actor_is_named_and_the_run_resumes_bit_for_bit(ray_run, c
     seen, stderr = kill_when(proc, lambda _: (out / "checkpoints" / "step-000001" / "COMPLETE").is_file(), "engine-1")
     assert sorted(seen) == ["engine-0", "engine-1", "reward-0", "reward-1", "trainer-0", "trainer-1"]
     assert_named_error(proc, stderr, "engine actor engine-1")
+    assert not (out / LOCK_FILE).exists(), "the driver held the run folder's lock and released it on the error"
     _, _, _, state = load_latest(out)
     assert state["step"] >= 1, "the checkpoint written before the kill is complete"
     resumed = ray_train(out, tiny_checkpoint, *flags, "--resume")

@@ -1,8 +1,10 @@
 """A run killed with SIGKILL — at a random moment, and in the middle of a checkpoint write — and resumed gives the
-same metrics, bit for bit, as an uninterrupted run (wall-clock times aside)."""
+same metrics, bit for bit, as an uninterrupted run (wall-clock times aside); the killed run's lock is taken over as
+stale and its temporary folder removed. A --resume with nothing to continue is refused; --resume auto starts over."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -12,7 +14,11 @@ import time
 
 import pytest
 
+from trueflow.cli import main
+from trueflow.train.lock import LOCK_FILE
 from trueflow.train.metrics import TIMING_KEYS, read_metrics
+
+from test_train_errors import assert_one_line_error
 
 SETTINGS = ["--num-rollouts", "3", "--steps", "3", "--num-sde-steps", "1", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "4", "--save-every", "1", "--sample-every", "0"]
@@ -53,10 +59,19 @@ def reference(tiny_checkpoint, tmp_path_factory):
     return rows
 
 
-def _resume_and_compare(checkpoint, out, reference):
-    proc = subprocess.run(_cmd(checkpoint, out, "--resume"), env=_env(), capture_output=True, text=True, timeout=300)
+def _resume_and_compare(checkpoint, out, reference, *resume: str):
+    proc = subprocess.run(_cmd(checkpoint, out, *(resume or ["--resume"])), env=_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _comparable(out / "metrics.jsonl") == reference
+    assert not (out / LOCK_FILE).exists(), "the resumed run released the run folder's lock"
+    assert not list((out / "checkpoints").glob(".tmp-*")), "the killed run's temporary folder is gone"
+    return proc
+
+
+def _killed_holder(out, pid):
+    """The SIGKILLed run's lock, left behind, names it."""
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == pid
 
 
 def test_sigkill_at_a_random_moment_then_resume(tiny_checkpoint, tmp_path, reference):
@@ -69,22 +84,32 @@ def test_sigkill_at_a_random_moment_then_resume(tiny_checkpoint, tmp_path, refer
     time.sleep(random.Random(7).uniform(0.0, 2.0))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    _resume_and_compare(tiny_checkpoint, out, reference)
+    _killed_holder(out, proc.pid)
+    resumed = _resume_and_compare(tiny_checkpoint, out, reference)
+    assert f"{out / LOCK_FILE}: its run (pid {proc.pid} on host" in resumed.stderr, "taken over as stale"
 
 
 def test_sigkill_during_a_checkpoint_write_then_resume(tiny_checkpoint, tmp_path, reference):
     out = tmp_path / "run"
-    proc = subprocess.run(_cmd(tiny_checkpoint, out, prefix=("-c", KILL_IN_CHECKPOINT)), env=_env(),
-                          capture_output=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    proc = subprocess.Popen(_cmd(tiny_checkpoint, out, prefix=("-c", KILL_IN_CHECKPOINT)), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
     ckpts = out / "checkpoints"
     assert (ckpts / ".tmp-step-000002").is_dir() and (ckpts / "latest").read_text().strip() == "step-000001"
     assert len(read_metrics(out / "metrics.jsonl")) == 2  # step 2 was logged before its checkpoint
+    _killed_holder(out, proc.pid)
     _resume_and_compare(tiny_checkpoint, out, reference)
 
 
-def test_resume_without_a_checkpoint_starts_over(tiny_checkpoint, tmp_path, reference):
+def test_resume_without_a_checkpoint_is_refused_and_auto_starts_over(tiny_checkpoint, tmp_path, reference, capsys):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')  # a killed run that never reached a checkpoint
-    _resume_and_compare(tiny_checkpoint, out, reference)
+    rc = main(["train", "--checkpoint", str(tiny_checkpoint), "--output-dir", str(out), *SETTINGS, "--resume"])
+    assert_one_line_error(rc, capsys.readouterr().err, f"--resume: {out} holds no checkpoint to continue from",
+                          "--resume auto starts afresh")
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (out / LOCK_FILE).exists()
+    rc = main(["train", "--output-dir", str(tmp_path / "nowhere"), "--resume"])
+    assert_one_line_error(rc, capsys.readouterr().err, f"--resume: no folder {tmp_path / 'nowhere'} to continue")
+    assert not (tmp_path / "nowhere").exists()
+    _resume_and_compare(tiny_checkpoint, out, reference, "--resume", "auto")

@@ -184,6 +184,7 @@ def _run_train(a: argparse.Namespace) -> int:
         return 0
     from .ray import RayRunError
     from .rewards.base import RewardError
+    from .train.checkpoint import resume_point
     from .train.run import run_training
 
     try:
@@ -196,11 +197,11 @@ def _run_train(a: argparse.Namespace) -> int:
     except RayRunError as e:  # an actor died or a rank failed: one line naming it
         print(f"trueflow train: error: {e}", file=sys.stderr)
         return 1
-    except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint intact
-        raise ValueError(f"{e} (the run stopped; its last checkpoint is intact: fix the reward and --resume, or "
-                         "--reward-on-error skip to drop failing prompt groups)") from None
+    except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint (if any) intact
+        raise ValueError(f"{e} (the run stopped; fix the reward; {resume_point(cfg.output_dir)}; or "
+                         "--reward-on-error skip drops failing prompt groups)") from None
     except KeyboardInterrupt:  # Ctrl-C: what was written stays; the run resumes from its last checkpoint
-        print("trueflow train: interrupted (--resume continues from the last checkpoint)", file=sys.stderr)
+        print(f"trueflow train: interrupted ({resume_point(cfg.output_dir)})", file=sys.stderr)
         return 130
     if out is not None:
         print(f"run written to {out} (metrics.jsonl, summary.md, samples/, checkpoints/)")

@@ -18,12 +18,14 @@ import torch
 
 from . import RayRunError
 from ..train.config import TrainConfig
+from ..train.lock import holding_run_lock
 
 PLACEMENT_TIMEOUT_S = 120.0
 WATCH_S = 10.0  # how often the driver checks that every engine and reward actor is alive
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)  # bad input: the CLI's one line and exit 2
 
 
+@holding_run_lock  # the driver holds the run folder's lock (`_check_before_loading`); its actors run inside it
 def run_ray(cfg: TrainConfig) -> Path:
     """Run `cfg` (with `cfg.ray`) on Ray; returns the run folder. Raises what a rank raised for bad input (a
     reward's error included), `RayRunError` naming the actor for anything else."""

@@ -11,13 +11,17 @@ Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
   trainer_state.json                step, rollout, metrics lines written, RNG states, settings
   COMPLETE                          written last; a folder without it is ignored on resume
 A checkpoint is built in `.tmp-step-N` and renamed into place (os.replace is atomic on one file system), then
-`latest` is rewritten the same way. A run killed at any moment leaves the previous checkpoint intact; a checkpoint
-damaged later (e.g. a truncated file) is skipped on resume, with a warning, for the one before it.
+`latest` is rewritten the same way. A run killed at any moment leaves the previous checkpoint intact (and perhaps a
+`.tmp-*` folder, which the next save removes before it writes); a checkpoint damaged later (e.g. a truncated file)
+is skipped on resume, with a warning, for the one before it. A save that fails (a full disk) removes what it wrote
+and raises CheckpointWriteError, one line naming the folder, the bytes it needs and those free. `keep` > 0 prunes
+older complete checkpoints after each save; the latest is never pruned.
 `optimizer.pt` holds tensors and plain values only, and is read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,11 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from ..models.spec import ModelFamily
-from .dist import DistContext
+from .dist import DistContext, all_gather_object
 from .model import LoraSpec
 from .policy import lora_full_state, set_lora_state
 from .schedule import LoraEMA
@@ -39,6 +42,7 @@ from .schedule import LoraEMA
 LORA_FILE = "pytorch_lora_weights.safetensors"
 EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 DIFFUSERS_PREFIX = "transformer."
+TMP_PREFIX = ".tmp-"  # a checkpoint being written or pruned: never read, removed by the next save
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -55,6 +59,11 @@ def _jsonable(o):
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read back (a missing or damaged file)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk, any write error): one line naming the folder, the bytes
+    it needs and those free; the folder is as it was before the save."""
 
 
 def rng_state() -> dict:
@@ -76,38 +85,115 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[str, torch.Tensor],
                     adapter_config: dict, optimizer_state: dict, trainer_state: dict, scheduler: dict | None = None,
-                    ema: dict[str, torch.Tensor] | None = None) -> Path:
-    """Rank 0 only. The LoRA files are written by the family's diffusers pipeline class. `scheduler`: the lr scheduler's state dict; `ema`: the EMA of the LoRA (fp32). Returns the
-    checkpoint folder."""
+                    ema: dict[str, torch.Tensor] | None = None, keep: int = 0) -> Path:
+    """Rank 0 only. The LoRA files are written by the family's diffusers pipeline class. `scheduler`: the lr
+    scheduler's state dict; `ema`: the EMA of the LoRA (fp32); `keep` > 0: prune all but the `keep` newest complete
+    checkpoints (`prune`). Returns the checkpoint folder. Any write error (a full disk) raises CheckpointWriteError
+    with the folder as it was before the call: no temporary folder left, the previous checkpoints untouched."""
     ckpts = root / "checkpoints"
-    ckpts.mkdir(parents=True, exist_ok=True)
     final = ckpts / f"step-{step:06d}"
-    tmp = ckpts / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors metadata,
-    # which `load_lora_weights` reads for alpha and targets.
-    config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
-    pipeline = family.pipeline_type()
-    for name, weights in ((LORA_FILE, lora_fp32), (EMA_FILE, ema)):
-        if weights is not None:
-            pipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu() for k, v in weights.items()},
-                                       weight_name=name, transformer_lora_adapter_metadata=config)
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    tmp = ckpts / f"{TMP_PREFIX}step-{step:06d}"
+    remove_leftovers(ckpts)  # a killed or failed save's temporary folder would hold its share of the disk
     extra = {"optimizer": optimizer_state, "rng": rng_state()}
     if scheduler is not None:
         extra["scheduler"] = scheduler
-    torch.save(extra, tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-    (tmp / "COMPLETE").write_text("ok\n")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _atomic_write_text(ckpts / "latest", final.name + "\n")
+    renamed, failure = False, None
+    try:
+        ckpts.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors
+        # metadata, which `load_lora_weights` reads for alpha and targets.
+        config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
+        pipeline = family.pipeline_type()
+        for name, weights in ((LORA_FILE, lora_fp32), (EMA_FILE, ema)):
+            if weights is not None:
+                pipeline.save_lora_weights(tmp, transformer_lora_layers={k: v.contiguous().cpu()
+                                                                         for k, v in weights.items()},
+                                           weight_name=name, transformer_lora_adapter_metadata=config)
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        torch.save(extra, tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / "COMPLETE").write_text("ok\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        renamed = True
+        _atomic_write_text(ckpts / "latest", final.name + "\n")
+    except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as "enforce fail ... unexpected pos"
+        # As before the call: `latest` still names the previous checkpoint, so a renamed but unnamed one goes too.
+        for leftover in (tmp, final) if renamed else (tmp,):
+            shutil.rmtree(leftover, ignore_errors=True)
+        failure = (" ".join(f"{type(e).__name__}: {e}".split()), getattr(e, "errno", None))
+    except BaseException:  # Ctrl-C: no temporary folder left behind either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if failure is not None:  # out of the except block: the failed writer (held by the traceback) has closed its file
+        remove_leftovers(ckpts)
+        raise CheckpointWriteError(_write_failure(ckpts, final.name, *failure, payload_bytes(lora_fp32, ema, extra)))
+    if keep:
+        prune(root, keep)
     return final
+
+
+def payload_bytes(*states) -> int:
+    """The bytes of every tensor in `states` (nested dicts, lists, tuples): what a checkpoint of them writes, less
+    a few kilobytes of headers and JSON."""
+    total = 0
+    for s in states:
+        if isinstance(s, torch.Tensor):
+            total += s.numel() * s.element_size()
+        elif isinstance(s, dict):
+            total += payload_bytes(*s.values())
+        elif isinstance(s, (list, tuple)):
+            total += payload_bytes(*s)
+    return total
+
+
+def _write_failure(ckpts: Path, name: str, error: str, code: int | None, needed: int) -> str:
+    """One line: what failed (`error`, its errno `code`), the bytes the checkpoint needs and those free, the
+    checkpoint that remains."""
+    free = shutil.disk_usage(ckpts if ckpts.is_dir() else ckpts.parent).free
+    # torch.save reports a full disk without its errno (a RuntimeError "... unexpected pos"), safetensors as text.
+    full = code == errno.ENOSPC or "No space left" in error or free < needed
+    before = latest_checkpoint(ckpts.parent)
+    left = (f"the previous checkpoint {before} is intact: free space and --resume" if before is not None else
+            "no earlier checkpoint exists: free space and start again with --resume auto")
+    return (f"cannot write checkpoint {ckpts / name} ({'the disk is full' if full else error[:300]}): it needs about "
+            f"{needed:,} bytes, {free:,} are free there; its temporary folder is removed and {left}")
+
+
+def remove_leftovers(ckpts: Path) -> None:
+    """Remove the temporary folders and files of saves and prunes that did not finish (a killed run's); only the
+    run folder's lock holder writes here."""
+    for leftover in ckpts.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    (ckpts / ".latest.tmp").unlink(missing_ok=True)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the `keep` newest complete checkpoints at or below the latest (the one `latest` names, never
+    pruned); complete checkpoints past it (left by a run that resumed from an earlier one) are left for the run to
+    overwrite. Returns the folders removed. Each goes by an atomic rename first, so a kill mid-removal leaves a
+    temporary folder (removed by the next save), never a half-deleted checkpoint that still looks complete."""
+    done = complete_checkpoints(root)
+    if not done:
+        return []
+    latest = done[0]
+    older = sorted((d for d in done[1:] if d.name < latest.name), reverse=True)
+    removed = []
+    for d in older[keep - 1:]:
+        doomed = d.with_name(f"{TMP_PREFIX}pruned-{d.name}")
+        try:
+            os.replace(d, doomed)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            warnings.warn(f"--keep-checkpoints {keep}: cannot remove {d} ({e.strerror}); it stays", stacklevel=2)
+            continue
+        removed.append(d)
+    return removed
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -125,6 +211,16 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint: the one `latest` names, or failing that the newest folder with COMPLETE."""
     done = complete_checkpoints(root)
     return done[0] if done else None
+
+
+def resume_point(root: str | Path) -> str:
+    """For the error line of a run that stopped: the checkpoint `--resume` continues from, or that there is none."""
+    root = Path(root)
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return f"no checkpoint was written before it stopped (none in {root / 'checkpoints'}): start again with " \
+               "--resume auto"
+    return f"its last checkpoint is intact ({latest}): --resume continues from it"
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
@@ -175,12 +271,18 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, model: torc
     lora = lora_full_state(model)
     ema_state = ema.full_state() if ema is not None else None
     optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    failure = None
     if ctx.is_main:
-        save_checkpoint(family, root, step, lora, lora_spec.peft_config().to_dict(), optim,
-                        {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config},
-                        scheduler=scheduler.state_dict(), ema=ema_state)
-    if ctx.world > 1:
-        dist.barrier()
+        try:
+            save_checkpoint(family, root, step, lora, lora_spec.peft_config().to_dict(), optim,
+                            {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config},
+                            scheduler=scheduler.state_dict(), ema=ema_state, keep=config.get("keep_checkpoints") or 0)
+        except CheckpointWriteError as e:
+            failure = str(e)
+    if ctx.world > 1:  # also the barrier: no rank runs on past a checkpoint that rank 0 could not write
+        failure = all_gather_object(failure)[0]
+    if failure is not None:
+        raise CheckpointWriteError(failure)
 
 
 def restore_training(resumed: tuple[Path, dict[str, torch.Tensor], dict, dict], model: torch.nn.Module,

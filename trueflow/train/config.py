@@ -158,9 +158,13 @@ class TrainConfig(BaseModel):
     pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
                                  "parallel", ge=1)
     # checkpoint
-    save_every: int = _f(0, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
-                            "0: at the end only)", "checkpoint", ge=0)
-    resume: bool = _f(False, "continue from the latest complete checkpoint in output_dir", "checkpoint")
+    save_every: int = _f(10, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
+                             "0: at the end only)", "checkpoint", ge=0)
+    keep_checkpoints: int = _f(3, "after each checkpoint, prune all but the N newest complete ones (the latest is "
+                                  "never pruned; 0: keep all)", "checkpoint", ge=0)
+    resume: bool | Literal["auto"] = _f(False, "continue from the latest complete checkpoint in output_dir (none: "
+                                               "an error); auto: continue if there is one, else start afresh",
+                                        "checkpoint")
     # reward
     reward: str = _f("redness", "reward spec: name, name:w,name2:w2, module:function or http://HOST:PORT",
                      "reward", "name", min_length=1)
@@ -194,6 +198,15 @@ class TrainConfig(BaseModel):
         if v == [None]:  # `--section.key null` on the command line: unset
             return None
         return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_mode(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() not in {"auto", "true", "false", "yes", "no", "on", "off", "1",
+                                                             "0"}:
+            raise ValueError("takes no value (continue from the latest checkpoint, which must be there) or auto "
+                             "(continue if there is one, else start afresh)")
+        return v
 
     @field_validator("lora_target_modules", "disable_patch")
     @classmethod
@@ -441,7 +454,8 @@ class TrainConfig(BaseModel):
 
 # What a resumed run may change: where it writes, how long it runs, what it logs, where its parts run (placement
 # changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
-RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
+RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
+                               "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
@@ -602,7 +616,12 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
 def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:
     """pydantic-settings' add_argument, less its `--SECTION JSON` flags: --checkpoint and --reward are the flat
     aliases of model.checkpoint and reward.name, and every setting of a section has its own flag."""
-    if kwargs.get("dest") not in SECTIONS:
+    dest = kwargs.get("dest")
+    if dest == "checkpoint.resume":  # a switch that also takes `auto`: --resume, --resume auto, --no-resume
+        parser.add_argument(*names, **{**kwargs, "nargs": "?", "const": "true", "metavar": "auto"})
+        parser.add_argument(*(f"--no-{n[2:]}" for n in names), dest=dest, action="store_const", const="false",
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    elif dest not in SECTIONS:
         parser.add_argument(*names, **kwargs)
 
 
