@@ -8,6 +8,7 @@ what a family cannot take is refused in one line."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -144,12 +145,14 @@ def test_train_is_bitwise_across_the_expert_boundary_and_trains_both_experts(moe
     assert set(group["experts"]) == {"transformer", "transformer_2"} and group["cfg_scales"] == [4.0, 4.0, 3.0, 3.0]
     assert meta["guidance"] == {"branches": "batched", "formula": "plain_cfg", "distilled_input": "guidance"}
     assert torch.equal(tensors["mg0/positive/guidance"], torch.full((2,), 3.5))  # FLUX's default, both branches
-    models = {e: family.train.model_class().from_pretrained(ckpt, subfolder=e, dtype=BF16) for e in meta["engine"]["experts"]}
+    models = {e: family.train.model_class().from_pretrained(ckpt, subfolder=e, dtype=BF16)
+              for e in meta["engine"]["experts"]}
     for t, expert in enumerate(group["experts"]):
         recorded = tensors[f"mg0/step{t}/guided_output"]
         assert_bitwise(_sd3_step(models[expert], tensors, 0, t, group["cfg_scales"][t]), recorded, f"step {t}")
         other = next(e for e in models if e != expert)  # the failure side: the other expert
-        assert_differs(_sd3_step(models[other], tensors, 0, t, group["cfg_scales"][t]), recorded, f"step {t} on {other}")
+        assert_differs(_sd3_step(models[other], tensors, 0, t, group["cfg_scales"][t]), recorded,
+                       f"step {t} on {other}")
     # and the chunk order matters: [positive, negative] is not the pipeline's
     swapped = {**tensors, "mg0/negative/context": tensors["mg0/positive/context"],
                "mg0/positive/context": tensors["mg0/negative/context"]}
@@ -245,3 +248,34 @@ def test_a_micro_batch_spanning_two_experts_is_split_per_expert(moe):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one expert per micro-batch (the aligned tiling): nothing to split, no warning
         assert split_by_expert(rollout, micro_batches([0, 1], 4, 2, 1)) == micro_batches([0, 1], 4, 2, 1)
+
+
+def test_a_lora_update_covers_each_expert_all_or_nothing(moe):
+    """One state dict for both experts (the second's names prefixed `transformer_2.`): each expert holds its own
+    part, the checksum read back covers both, and an update with one bad tensor installs nothing on either."""
+    from trueflow.engine.engine import Engine
+    from trueflow.sync.checksum import tensors_checksum
+    from trueflow.train.model import LoraSpec, add_lora, lora_state_dict
+
+    family, ckpt = moe
+    engine = Engine(ckpt, "toy_moe")
+    state = {}
+    for k, (prefix, seed) in enumerate((("", 1), ("transformer_2.", 2))):
+        model = family.train.model_class().from_pretrained(ckpt, subfolder=engine.experts[k].name, dtype=BF16)
+        add_lora(model, LoraSpec(rank=2, target_modules=family.train.lora_targets), b_init_std=0.02, seed=seed)
+        state |= {prefix + n: v for n, v in lora_state_dict(model).items()}
+    held = engine.update_weights(state, 1.0)
+    assert held == tensors_checksum(state) == engine.checksum()
+    first, second = engine.transformers
+    q = "transformer_blocks.0.attn.to_q"
+    assert_bitwise(dict(first.named_modules())[q].adapters[0].B, state[f"{q}.lora_B.weight"])
+    assert_bitwise(dict(second.named_modules())[q].adapters[0].B, state[f"transformer_2.{q}.lora_B.weight"])
+    bad = {**state, f"transformer_2.{q}.lora_B.weight": torch.full_like(state[f"transformer_2.{q}.lora_B.weight"],
+                                                                       math.nan)}
+    bad |= {f"{q}.lora_B.weight": state[f"{q}.lora_B.weight"] * 2}  # a valid change on the first expert
+    with pytest.raises(ValueError, match=f"{q}.lora_B.weight"):
+        engine.update_weights(bad, 1.0)
+    assert engine.checksum() == held  # neither expert changed
+    only_second = {k: v for k, v in state.items() if k.startswith("transformer_2.")}
+    assert engine.update_weights(only_second, 1.0) == tensors_checksum(only_second)  # the first's LoRA is cleared
+    assert all(a is None for m in first.modules() for a in getattr(m, "adapters", ()))

@@ -176,7 +176,8 @@ class ParityProbe:
         first = next((r for r in rows if r.max_abs_diff > 0), None)
         d = (out.float() - self.train_output.float()).abs()
         return ProbeResult(
-            expert=self.expert, patch_group=patch_group, disabled_patches=list(disabled), patches_applied=list(engine.patches_applied),
+            expert=self.expert, patch_group=patch_group, disabled_patches=list(disabled),
+            patches_applied=list(engine.patches_applied),
             model_output_max_abs_diff=d.max().item(), model_output_mean_abs_diff=d.mean().item(),
             bitwise_equal=torch.equal(out, self.train_output),
             first_differing_module=first.module if first else None,

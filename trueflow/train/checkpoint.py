@@ -111,8 +111,8 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
             continue
         for k, part in enumerate(split_by_expert(weights, experts)):
             if part:  # an expert the run does not train has no LoRA
-                pipeline.save_lora_weights(tmp, transformer_lora_layers={n: v.contiguous().cpu() for n, v in part.items()},
-                                           weight_name=expert_file(name, experts, k),
+                layers = {n: v.contiguous().cpu() for n, v in part.items()}
+                pipeline.save_lora_weights(tmp, transformer_lora_layers=layers, weight_name=expert_file(name, experts, k),
                                            transformer_lora_adapter_metadata=config)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     extra = {"optimizer": optimizer_state, "rng": rng_state()}
