@@ -28,7 +28,7 @@ FAKE_FAMILIES = Path(__file__).parent / "families"
 TRAIN = ["--num-rollouts", "2", "--rollout.batch-size", "1", "--n-samples-per-prompt", "2",
          "--rollout.microgroup-size", "2", "--micro-batch-size-sample", "2", "--steps", "4", "--num-sde-steps", "4",
          "--cfg-scale", "4", "--cfg-scale-2", "3", "--sample-every", "0", "--lr", "0.05", "--resolution", "32",
-         "--save-every", "1"]
+         "--save-every", "1", "--ema-decay", "0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_train_is_bitwise_across_the_expert_boundary_and_trains_both_experts(moe
     that expert (not on the other one); a resumed run equals the uninterrupted one bit for bit."""
     from safetensors import safe_open
 
-    from trueflow.train.checkpoint import LORA_FILE, latest_checkpoint
+    from trueflow.train.checkpoint import EMA_FILE, LORA_FILE, latest_checkpoint
 
     family, ckpt = moe
     run = tmp_path / "run"
@@ -129,6 +129,7 @@ def test_train_is_bitwise_across_the_expert_boundary_and_trains_both_experts(moe
     final = latest_checkpoint(run)
     state = json.loads((final / "trainer_state.json").read_text())
     assert (state["experts"], state["lora_experts"]) == (["transformer", "transformer_2"],) * 2
+    assert (final / "pytorch_lora_weights_ema_transformer_2.safetensors").is_file()  # each expert's EMA too
     for name in (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors"):
         saved = load_file(final / name)  # diffusers' layout: one transformer's LoRA, `transformer.`-prefixed
         assert saved and all(k.startswith("transformer.transformer_blocks.") for k in saved)
@@ -166,7 +167,8 @@ def test_train_is_bitwise_across_the_expert_boundary_and_trains_both_experts(moe
                           *extra)
         assert rc == 0, err
     assert _rows(resumed) == rows
-    for name in (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors"):
+    for name in (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors", EMA_FILE,
+                 "pytorch_lora_weights_ema_transformer_2.safetensors"):
         expected, got = load_file(final / name), load_file(latest_checkpoint(resumed) / name)
         assert sorted(got) == sorted(expected)
         for k in expected:

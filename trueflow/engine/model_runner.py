@@ -130,7 +130,8 @@ class ModelRunner:
         latents, guided, records = [x], [], [] if record else None
         log_probs = torch.zeros(params.steps, b, dtype=torch.float32, device=self.device)
         # The expert of each step, from its schedule timestep (WanPipeline's boundary switch); recorded.
-        step_experts = [expert_at(self.experts, timesteps[i]) for i in range(params.steps)]
+        schedule_t = timesteps.cpu()  # one transfer, not one per step and expert
+        step_experts = [expert_at(self.experts, schedule_t[i]) for i in range(params.steps)]
         branches = [_branch(forward, grid, static) for forward in self.forwards]
         for i in range(params.steps):
             if should_stop is not None and should_stop():

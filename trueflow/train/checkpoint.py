@@ -219,7 +219,7 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
         experts = list(models)
         trainer_state = {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config}
         if len(experts) > 1:
-            trained = [e for k, e in enumerate(experts) if any(split_by_expert(lora, experts)[k])]
+            trained = [e for e, part in zip(experts, split_by_expert(lora, experts)) if part]
             trainer_state |= {"experts": experts, "lora_experts": trained}
         save_checkpoint(family, root, step, lora, lora_spec.peft_config().to_dict(), optim, trainer_state,
                         scheduler=scheduler.state_dict(), ema=ema_state, experts=experts)
