@@ -48,6 +48,10 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
     p.add_argument("--lora-merge-mode", choices=("unmerged", "merged"), default=None,
                    help="how the engine takes the LoRA (default: the patch group's choice)")
+    p.add_argument("--expert", default=None, help="the checkpoint's transformer to compare, a pipeline component "
+                   "such as transformer_2 (default: the first)")
+    p.add_argument("--cfg-scale", type=float, default=1.0, help="> 1: compare a CFG step's guided output, the "
+                   "branches run as the family runs them (default: 1, the model output)")
     p.add_argument("--layer-report", choices=("all", "blocks"), default="all",
                    help="modules compared per layer: all, or whole blocks only (less memory at full size)")
     p.add_argument("--ablate", action="store_true", help="also run with each patch of the group switched off alone")
@@ -67,12 +71,12 @@ def _run_parity(a: argparse.Namespace) -> int:
     spec = ProbeSpec(checkpoint=a.checkpoint, random_size=a.random_size, batch=a.batch, text_len=a.text_len,
                      resolution=a.resolution, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, dtype=a.dtype,
                      seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
-                     layer_report=a.layer_report)
+                     layer_report=a.layer_report, expert=a.expert, cfg_scale=a.cfg_scale)
     if a.tp != 1 or a.train_tp_match is not None:
         from .parity.tp import run_tp_probe
 
-        if a.ablate or a.save:
-            raise ValueError("--ablate and --save run at --tp 1; drop them or --tp")
+        if a.ablate or a.save or a.expert or a.cfg_scale != 1:
+            raise ValueError("--ablate, --save, --expert and --cfg-scale run at --tp 1; drop them or --tp")
         result, ablation = run_tp_probe(spec, a.tp, a.train_tp_match, a.patch_group, tuple(a.disable_patch)), None
     else:
         probe = ParityProbe(spec)
@@ -130,6 +134,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .video import write_mp4, write_strip
 
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
+                            cfg_scale_2=a.cfg_scale_2, distilled_guidance_scale=a.distilled_guidance_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
                             num_frames=a.num_frames, fps=a.fps)
     request = RolloutRequest([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None)

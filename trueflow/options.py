@@ -25,4 +25,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", choices=("ode", "sde", "cps"), default="sde", help="sampler (default: sde)")
     p.add_argument("--noise-level", type=float, default=0.7, help="SDE/CPS noise level a (default: 0.7)")
     p.add_argument("--cfg-scale", type=float, default=4.0, help="true-CFG scale (default: 4.0)")
+    p.add_argument("--cfg-scale-2", type=float, default=None,
+                   help="CFG scale of the experts after the first (Wan2.2's guidance_scale_2; default: --cfg-scale)")
+    p.add_argument("--distilled-guidance-scale", type=float, default=None,
+                   help="a guidance-distilled model's scale input (FLUX.1-dev's guidance_scale; default: the family's)")
 

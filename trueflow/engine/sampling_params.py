@@ -20,6 +20,8 @@ class SamplingParams:
     sampler: str = "sde"  # "ode" | "sde" | "cps"
     noise_level: float = 0.7  # a, of the SDE and CPS steps
     cfg_scale: float = 4.0  # true CFG when > 1 (as the pipeline: 1 runs the positive branch alone)
+    cfg_scale_2: float | None = None  # a second expert's CFG scale (WanPipeline's guidance_scale_2); None: cfg_scale
+    distilled_guidance_scale: float | None = None  # a guidance-distilled model's input (FLUX); None: its default
     negative_prompt: str = " "
     num_sde_steps: int | None = None  # stochastic steps per trajectory; None: every step (sde/cps)
     sde_window: tuple[int, int] | None = None  # half-open step range the window lies in; None: all steps
@@ -35,9 +37,10 @@ class SamplingParams:
             self.sde_window = tuple(self.sde_window)  # e.g. a list read back from JSON
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        for name in ("noise_level", "cfg_scale", "fps"):  # NaN slips through every comparison below
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("noise_level", "cfg_scale", "fps", "cfg_scale_2", "distilled_guidance_scale"):
+            value = getattr(self, name)  # NaN slips through every comparison below
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SAMPLERS)}")
         if self.sampler != "ode" and not self.noise_level > 0:
@@ -45,6 +48,8 @@ class SamplingParams:
                              f"use sampler='ode' for deterministic sampling")
         if self.cfg_scale < 1:
             raise ValueError(f"cfg_scale must be >= 1 (1 turns guidance off), got {self.cfg_scale}")
+        if self.cfg_scale_2 is not None and self.cfg_scale_2 < 1:
+            raise ValueError(f"cfg_scale_2 must be >= 1 (None: cfg_scale), got {self.cfg_scale_2}")
         if self.sampler == "ode" and (self.num_sde_steps is not None or self.sde_window is not None):
             raise ValueError("num_sde_steps/sde_window need a stochastic sampler: set sampler='sde' or 'cps', "
                              "or leave them unset for ODE sampling")
@@ -71,8 +76,13 @@ class SamplingParams:
         return self.cfg_scale > 1
 
 
-def check_family_limits(params: SamplingParams, family: ModelFamily) -> None:
-    """The image sizes, frame count and text length `family`'s pipeline takes (ValueError naming the rule)."""
+def check_family_limits(params: SamplingParams, family: ModelFamily, experts: int | None = None) -> None:
+    """The image sizes, frame count, text length and guidance `family`'s pipeline takes (ValueError naming the
+    rule); `experts`: the checkpoint's expert count, where known (a per-expert scale needs two)."""
+    from .guidance import check_guidance
+
+    check_guidance(family.name, family.guidance, params.cfg_scale, params.cfg_scale_2,
+                   params.distilled_guidance_scale, experts)
     granule = family.pipeline.pixels_per_token
     for name in ("height", "width"):
         v = getattr(params, name)

@@ -29,7 +29,8 @@ from ..sync.buckets import Bucket
 from .sampling_params import SamplingParams
 from .trajectory import Microgroup, Rollout, StepRecord
 
-FORMAT = "trueflow-rollout/2"  # /2: a microgroup's `grid` and named conditioning (`cond`, `negative_cond`)
+# /2: a microgroup's `grid` and named conditioning (`cond`, `negative_cond`); /3: the expert of each step (`experts`)
+FORMAT = "trueflow-rollout/3"
 IPC_CONTENT_TYPE = "application/x-trueflow-ipc-handles"
 _TENSOR_KEYS = {"dtype", "shape", "data"}
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}

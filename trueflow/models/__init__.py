@@ -13,7 +13,7 @@ import json
 import pkgutil
 from pathlib import Path
 
-from .spec import ModelFamily
+from .spec import Expert, ModelFamily
 
 
 @functools.cache
@@ -59,6 +59,20 @@ def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> 
         raise ValueError(f"{checkpoint} is a {match[0].name} checkpoint ({class_name}), not {family}; "
                          f"drop --family or pass --family {match[0].name}")
     return match[0]
+
+
+def checkpoint_experts(checkpoint: str | Path, family: ModelFamily) -> tuple[Expert, ...]:
+    """The transformers (experts) of a pipeline folder and the timesteps each serves: the family's `experts` of its
+    model_index.json (the pipeline config; none for a bare transformer folder) and its scheduler config (the
+    family's default where the folder has none). ValueError naming the folder if they are inconsistent."""
+    root = Path(checkpoint)
+    index, scheduler = root / "model_index.json", root / "scheduler" / "scheduler_config.json"
+    model_index = json.loads(index.read_text()) if index.is_file() else {}
+    config = json.loads(scheduler.read_text()) if scheduler.is_file() else dict(family.pipeline.scheduler_config)
+    try:
+        return family.experts(model_index, config)
+    except ValueError as e:
+        raise ValueError(f"{root}: {e}") from None
 
 
 def family_for_config(config: dict, family: str | None = None) -> ModelFamily:

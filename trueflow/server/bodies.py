@@ -33,6 +33,8 @@ class Sampling(Strict):
     sampler: str = _D.sampler
     noise_level: float = _D.noise_level
     cfg_scale: float = _D.cfg_scale
+    cfg_scale_2: float | None = _D.cfg_scale_2
+    distilled_guidance_scale: float | None = _D.distilled_guidance_scale
     negative_prompt: str = _D.negative_prompt
     num_sde_steps: int | None = _D.num_sde_steps
     sde_window: tuple[StrictInt, StrictInt] | None = Field(_D.sde_window, strict=False)  # msgpack sends a list

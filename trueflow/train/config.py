@@ -65,6 +65,9 @@ class TrainConfig(BaseModel):
     lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0)
     lora_target_modules: list[str] | None = _f(None, "LoRA target modules (default: the model family's)", "model",
                                                min_length=1)
+    lora_experts: list[str] | None = _f(None, "the experts (pipeline components, e.g. transformer_2) whose LoRA is "
+                                              "trained (default: every expert of the checkpoint)", "model",
+                                        min_length=1)
     gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
                                              "forward's values, hence parity, are unchanged)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
@@ -85,6 +88,10 @@ class TrainConfig(BaseModel):
     sde_window: tuple[int, int] | None = _f(None, "half-open step range [lo, hi] the SDE window lies in "
                                                   "(default: all steps)", "rollout")
     cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1)
+    cfg_scale_2: float | None = _f(None, "CFG scale of the experts after the first (Wan2.2's guidance_scale_2; "
+                                         "default: --cfg-scale)", "rollout", ge=1)
+    distilled_guidance_scale: float | None = _f(None, "a guidance-distilled model's scale input (FLUX.1-dev's "
+                                                      "guidance_scale; default: the family's)", "rollout")
     negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
@@ -192,7 +199,7 @@ class TrainConfig(BaseModel):
                 data = {**data, "num_sde_steps": min(DEFAULT_NUM_SDE_STEPS, steps)}
         return data
 
-    @field_validator("lora_target_modules", "disable_patch", "engine_url", mode="before")
+    @field_validator("lora_target_modules", "lora_experts", "disable_patch", "engine_url", mode="before")
     @classmethod
     def _names_in(cls, v: Any) -> Any:
         if v == [None]:  # `--section.key null` on the command line: unset
@@ -208,7 +215,7 @@ class TrainConfig(BaseModel):
                              "(continue if there is one, else start afresh)")
         return v
 
-    @field_validator("lora_target_modules", "disable_patch")
+    @field_validator("lora_target_modules", "lora_experts", "disable_patch")
     @classmethod
     def _names(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and not all(name.strip() for name in v):
@@ -341,10 +348,13 @@ class TrainConfig(BaseModel):
         import torch
         from diffusers.models.attention_dispatch import AttentionBackendName
 
+        from ..engine.guidance import check_guidance
         from ..patches import get_group
         from .metrics import require_wandb
 
         fam = self.fill_family_defaults()
+        # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
+        check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
         if self.wandb:
             require_wandb()
         try:

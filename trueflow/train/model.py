@@ -7,7 +7,6 @@ the compute copies' values.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass, field
 
@@ -54,11 +53,6 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec, b_init_std: float = 0.0, se
                     p.copy_(torch.randn(p.shape, generator=g) * b_init_std)
 
 
-def compute_copy(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The bf16 compute copy of fp32 masters (no autocast anywhere; each op runs in the copy's dtype)."""
-    return copy.deepcopy(master).to(dtype)
-
-
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors in PEFT's format (`...to_q.lora_A.weight`), as the engine and diffusers load them."""
     return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
@@ -102,7 +96,8 @@ def train_forward(
     return train.forward(model, hidden_states, timestep, grid, cond, **static)
 
 
-def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The family's diffusers transformer from a checkpoint folder: fp32 for masters, or cast once to a compute
-    dtype."""
-    return family.train.model_class().from_pretrained(checkpoint, subfolder="transformer", dtype=dtype)
+def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32,
+                     subfolder: str = "transformer") -> torch.nn.Module:
+    """The family's diffusers transformer `subfolder` (an expert's pipeline component) from a checkpoint folder:
+    fp32 for masters, or cast once to a compute dtype."""
+    return family.train.model_class().from_pretrained(checkpoint, subfolder=subfolder, dtype=dtype)
