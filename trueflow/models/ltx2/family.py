@@ -10,7 +10,7 @@ connectors, the video VAE, diffusers' schedule and reference model, the checkpoi
 from __future__ import annotations
 
 from ...layers.linear import Linear
-from ...parallel.plan import TPPlan
+from ..tp_plan import TPPlan
 from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
 from . import patches, weights
 from .latents import LATENT_DTYPE, PIXELS_PER_TOKEN, SIZE_REASON, latent_grid, noise_shape, pack_latents

@@ -13,7 +13,7 @@ import torch
 from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
-from ...parallel.plan import TPPlan
+from ..tp_plan import TPPlan
 from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
