@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..collate import Cond
-from ..parallel.plan import TPPlan
+from .tp_plan import TPPlan
 from ..patches import PatchGroup
 
 Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video

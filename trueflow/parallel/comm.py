@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..net import free_port
-
 
 @dataclass
 class TPGroup:

@@ -25,7 +25,8 @@ from ..patches import apply_patch_group
 from ..sync.checksum import tensors_checksum
 from .comm import TPGroup, gather_cat
 from .linear import replace_module, sharded
-from .plan import COLUMN, TPPlan, features_problem, shard_state_dict, shard_tensor
+from ..models.tp_plan import COLUMN, TPPlan
+from .plan import features_problem, shard_state_dict, shard_tensor
 
 
 def tp_plan(family: ModelFamily, tp: int) -> TPPlan:

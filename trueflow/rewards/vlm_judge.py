@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .base import RewardError, RewardTimeout
+from .errors import RewardError, RewardTimeout
 
 TEMPLATE = ('Rate this image for the prompt "{prompt}": how well it matches the prompt and how good it looks, '
             "from 0 (worst) to 10 (best). Answer with the number only.")

@@ -10,8 +10,8 @@ connectors, the video VAE, diffusers' schedule and reference model, the checkpoi
 from __future__ import annotations
 
 from ...layers.linear import Linear
-from ...parallel.plan import TPPlan
 from ..spec import NO_GUIDANCE, EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..tp_plan import TPPlan
 from . import patches, weights
 from .latents import LATENT_DTYPE, PIXELS_PER_TOKEN, SIZE_REASON, latent_grid, noise_shape, pack_latents
 from .pipeline import model_output, probe_inputs

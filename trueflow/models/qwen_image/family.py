@@ -13,9 +13,9 @@ import torch
 from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
-from ...parallel.plan import TPPlan
 from ..cfg import rescaled_cfg
 from ..spec import EngineSide, Guidance, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..tp_plan import TPPlan
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
 from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
