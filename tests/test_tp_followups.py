@@ -19,7 +19,8 @@ from trueflow.engine.weights import load_engine_transformer
 from trueflow.models.ltx2.weights import NAMES, is_audio_only
 from trueflow.models.weight_map import expected_tensors
 from trueflow.parallel import engine as tp_engine
-from trueflow.parallel.comm import free_port, init_tp
+from trueflow.net import free_port
+from trueflow.parallel.comm import init_tp
 from trueflow.parity import tp as parity_tp
 from trueflow.parity.probe import ProbeSpec
 

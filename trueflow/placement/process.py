@@ -174,7 +174,7 @@ class EngineClient:
         self.packer = BucketPacker(bucket_bytes)  # the LoRA's buffers, refilled every sync
         self.family = family_for_checkpoint(spec.checkpoint, spec.family)
         if tp > 1:
-            from ..parallel.comm import free_port
+            from ..net import free_port
             from ..parallel.engine import tp_gate, tp_plan
 
             tp_plan(self.family, tp).check(loading.read_transformer_config(spec.checkpoint), tp)  # before spawning
