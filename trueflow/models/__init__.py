@@ -46,11 +46,13 @@ def default_family() -> ModelFamily:
 
 def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> ModelFamily:
     """The family of a pipeline folder, from its `model_index.json` `_class_name`; `family` names it where the
-    folder has none (a bare transformer folder) and must agree where it has one. Neither: the default family."""
+    folder has none (a bare transformer folder) and must agree where it has one. Neither: the default family. A family
+    of several layouts (`ModelFamily.layout`) comes as the spec of this folder's."""
     index = Path(checkpoint) / "model_index.json"
     if not index.is_file():
         return get_family(family) if family is not None else default_family()
-    class_name = json.loads(index.read_text()).get("_class_name")
+    model_index = json.loads(index.read_text())
+    class_name = model_index.get("_class_name")
     match = [f for f in families().values() if f.pipeline_class == class_name]
     if not match:
         known = ", ".join(f"{f.pipeline_class} ({f.name})" for f in families().values())
@@ -58,7 +60,17 @@ def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> 
     if family is not None and family != match[0].name:
         raise ValueError(f"{checkpoint} is a {match[0].name} checkpoint ({class_name}), not {family}; "
                          f"drop --family or pass --family {match[0].name}")
-    return match[0]
+    if match[0].layout is None:
+        return match[0]
+
+    def component_config(name: str) -> dict | None:
+        path = Path(checkpoint) / name / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    try:
+        return match[0].layout(model_index, component_config)
+    except ValueError as e:
+        raise ValueError(f"{checkpoint}: {e}") from None
 
 
 def checkpoint_experts(checkpoint: str | Path, family: ModelFamily) -> tuple[Expert, ...]:

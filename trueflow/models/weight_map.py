@@ -28,26 +28,33 @@ class Names(NamedTuple):
 
 SAME_NAMES = Names(lambda name: (name, None), lambda name, slot=None: name)
 
-BLOCK = re.compile(r"^(transformer_blocks\.\d+\.)(.+)$")  # a block's prefix, kept by a rename, and the rest
+def block_pattern(blocks: str) -> re.Pattern:
+    """A block's prefix (`<blocks>.N.`, kept by a rename) and the rest of a name inside it."""
+    return re.compile(rf"^({re.escape(blocks)}\.\d+\.)(.+)$")
+
+
+BLOCK = block_pattern("transformer_blocks")
 
 
 def renamed(block: dict[str, tuple[str, int | None]], top: dict[str, tuple[str, int | None]],
-            reverse_block: dict[tuple[str, int | None], str] | None = None) -> Names:
+            reverse_block: dict[tuple[str, int | None], str] | None = None, blocks: str = "transformer_blocks") -> Names:
     """The name map of rename tables: diffusers name -> (engine name, packed slot), inside a block (the
-    `transformer_blocks.N.` prefix kept) and at the top level; names not listed are the same on both sides. The
-    inverse is the tables reversed, plus `reverse_block` (engine names no forward entry produces)."""
+    `<blocks>.N.` prefix kept; diffusers' `transformer_blocks`, or e.g. Wan's `blocks`) and at the top level; names
+    not listed are the same on both sides. The inverse is the tables reversed, plus `reverse_block` (engine names no
+    forward entry produces)."""
     back_block = {v: k for k, v in block.items()} | (reverse_block or {})
     back_top = {v: k for k, v in top.items()}
+    pattern = block_pattern(blocks)
 
     def map_module_name(diffusers_name: str) -> tuple[str, int | None]:
-        m = BLOCK.match(diffusers_name)
+        m = pattern.match(diffusers_name)
         if m:
             engine, slot = block.get(m.group(2), (m.group(2), None))
             return m.group(1) + engine, slot
         return top.get(diffusers_name, (diffusers_name, None))
 
     def diffusers_module_name(engine_name: str, slot: int | None = None) -> str:
-        m = BLOCK.match(engine_name)
+        m = pattern.match(engine_name)
         if m:
             return m.group(1) + back_block.get((m.group(2), slot), m.group(2))
         return back_top.get((engine_name, slot), engine_name)
