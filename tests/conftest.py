@@ -83,6 +83,26 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def wan_a14b_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny Wan2.2-A14B pipeline folder (two experts, boundary 0.875; seed 0, fp32), written once, read-only."""
+    from trueflow.models.wan.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("wan_a14b")
+    write_checkpoint(out, "tiny", 0, torch.float32, "cpu")
+    return out
+
+
+@pytest.fixture(scope="session")
+def wan_ti2v_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny Wan2.2-TI2V-5B pipeline folder (one transformer, per-token timesteps, the z48 VAE; seed 0, fp32)."""
+    from trueflow.models.wan.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("wan_ti2v")
+    write_checkpoint(out, "tiny_ti2v", 0, torch.float32, "cpu")
+    return out
+
+
 # LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to
 # the video ones only when None, and the pipeline's audio defaults are 7 / 1 / 3 / 0.7.
 LTX2_UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
@@ -173,7 +193,7 @@ class LoraMasters:
 
 
 def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dict:
-    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3) as written, on step `t` of
+    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3, 2: Wan2.2) as written, on step `t` of
     microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
     import contextlib
     import io
