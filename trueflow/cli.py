@@ -114,6 +114,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    "count (LTX-2.3: 8k + 1) writes MP4s and frame strips (default: 1)")
     p.add_argument("--fps", type=float, default=24.0, help="a video's frame rate: what a video family conditions on "
                    "and the MP4s play at (default: 24)")
+    p.add_argument("--image", metavar="FILE", help="image-to-video: the first frame, an image file (a family or "
+                   "layout that takes one: Wan2.2 TI2V-5B); default: text-to-video")
     add_engine_options(p, default_patch_group="none")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each "
                    "(docs/tensor-parallel.md; default: 1, in this process)")
@@ -136,7 +138,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                             cfg_scale_2=a.cfg_scale_2, distilled_guidance_scale=a.distilled_guidance_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
-                            num_frames=a.num_frames, fps=a.fps)
+                            num_frames=a.num_frames, fps=a.fps, image=a.image)
     request = RolloutRequest([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None)
     engine = build_engine(*_engine_placement(a, progress=sys.stderr.isatty()))
     try:

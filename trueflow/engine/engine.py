@@ -163,11 +163,14 @@ class Engine:
         check_family_limits(params, self.family, len(self.experts))
         grid = pipe.latent_grid(params.height, params.width, params.num_frames)
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
-        negative = self._encode(params.negative_prompt, params) if params.cfg else None
+        # The first frame of image-to-video: one conditioning of every sample, in both branches (the pipeline hands
+        # both the same model input).
+        image = pipe.image_cond(self.vae, params.image, params.height, params.width) if params.image else {}
+        negative = {**self._encode(params.negative_prompt, params), **image} if params.cfg else None
         microgroups, images = [], []
         with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not self.progress, unit="step") as bar:
             for p, prompt in enumerate(prompts):
-                positive = self._encode(prompt, params)
+                positive = {**self._encode(prompt, params), **image}
                 g = request.first_prompt + p  # the global prompt index: what the random streams follow
                 for m, first in enumerate(range(0, n_per_prompt, size)):
                     ks = range(first, first + size)
@@ -177,7 +180,9 @@ class Engine:
                                              request.record_snapshot, bar, should_stop)
                     microgroups.append(mg)
                     if request.decode:
-                        images.append(self.vae.decode(mg.latents[-1], params.height, params.width, params.num_frames))
+                        final = mg.latents[-1] if pipe.final_latents is None else pipe.final_latents(mg.latents[-1],
+                                                                                                    mg.cond)
+                        images.append(self.vae.decode(final, params.height, params.width, params.num_frames))
         info = {"checkpoint": self.checkpoint, "family": self.family.name,
                 "experts": [e.name for e in self.experts], "patch_group": self.patch_group,
                 "disabled_patches": list(self.disabled_patches),

@@ -98,6 +98,12 @@ class PipelineSide:
     # to the engine model and the train forward alike and recorded with each microgroup; None: there are none
     static_inputs: Callable[[Any], dict[str, Any]] | None = None
     scheduler_config: Mapping[str, Any] = field(default_factory=dict)  # what a checkpoint without one schedules by
+    # Image-to-video: (decoder, image path, height, width) -> the first frame's conditioning entries, added to both
+    # branches of every sample (the decoder holds the VAE that encodes it); None: the family takes no image
+    image_cond: Callable[[Any, str, int, int], Cond] | None = None
+    # (final latents, the positive conditioning) -> what the pipeline decodes (TI2V-5B's image-to-video puts the
+    # image's latents back into the first frame); None: the final latents themselves
+    final_latents: Callable[[torch.Tensor, Cond], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from ..spec import (EngineSide, Guidance, ModelFamily, PatchGroupSpec, PipelineS
                     boundary_experts, lazy)
 from ..tp_plan import TPPlan
 from . import patches, weights
-from .latents import FRAMES_PER_LATENT, LATENT_DTYPE, PATCH, latent_grid, noise_shape, pack_latents, size_reason
+from .latents import (FRAMES_PER_LATENT, LATENT_DTYPE, PATCH, final_latents, latent_grid, noise_shape, pack_latents,
+                      size_reason)
 from .pipeline import probe_inputs
 from .prompts import MAX_TEXT_TOKENS, TEXT_STREAMS, encode_prompts, load_text
 from .scheduler_config import WAN_A14B_SCHEDULER_CONFIG, WAN_TI2V_SCHEDULER_CONFIG
@@ -40,7 +41,8 @@ A14B_SPATIAL, TI2V_SPATIAL = 8, 16  # the VAEs' scale_factor_spatial: Wan2.1's (
 
 def _pipeline(spatial: int, per_token: bool) -> PipelineSide:
     """The pipeline pieces of the layout with a VAE of spatial factor `spatial` and, with `per_token`, a timestep
-    per token (`expand_timesteps`)."""
+    per token (`expand_timesteps`): that layout (TI2V-5B) also takes image-to-video's first frame, as
+    `WanImageToVideoPipeline` conditions the same checkpoint on it."""
     schedule = lazy(f"{__package__}.schedule", "wan_schedule")
     return PipelineSide(
         folders=("tokenizer", "text_encoder", "vae", "scheduler"),
@@ -57,6 +59,8 @@ def _pipeline(spatial: int, per_token: bool) -> PipelineSide:
         load_decoder=lazy(f"{__package__}.vae", "VideoDecoder"),
         latent_dtype=LATENT_DTYPE,
         scheduler_config=WAN_TI2V_SCHEDULER_CONFIG if spatial == TI2V_SPATIAL else WAN_A14B_SCHEDULER_CONFIG,
+        image_cond=lazy(f"{__package__}.vae", "image_cond") if per_token else None,
+        final_latents=final_latents if per_token else None,
     )
 
 

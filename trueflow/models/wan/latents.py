@@ -67,3 +67,42 @@ def unpack_latents(tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Te
     f, h, w = grid
     x = tokens.reshape(B, f, h, w, -1, pt, ph, pw)
     return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(B, -1, f * pt, h * ph, w * pw).contiguous()
+
+
+
+def first_frame_mask(tokens: int, first: int, device=None) -> torch.Tensor:
+    """`WanImageToVideoPipeline`'s `first_frame_mask` (with `expand_timesteps`) per token, fp32 `[tokens]`: 0 on the
+    first latent frame's `first` tokens (rows x cols), 1 on the others (tokens are frame-major)."""
+    mask = torch.ones(tokens, dtype=torch.float32, device=device)
+    mask[:first] = 0
+    return mask
+
+
+def blend_first_frame(tokens: torch.Tensor, image_latents: torch.Tensor) -> torch.Tensor:
+    """`(1 - first_frame_mask) * condition + first_frame_mask * latents` on packed tokens `[B, S, C·4]`, in fp32 as
+    the pipeline computes it, cast back to the tokens' dtype: the image's latents (`image_latents` `[B, rows·cols,
+    C·4]`, the first frame's tokens, broadcast over the frames as the pipeline's one-frame condition is) in the first
+    frame. Every product is by 0 or 1 and every sum has a zero term, so it is exact in any dtype: the same values
+    whether the latents were cast before (the model's input) or after (the pipeline's)."""
+    B, S, C = tokens.shape
+    first = image_latents.shape[1]
+    mask = first_frame_mask(S, first, tokens.device)[:, None]
+    condition = image_latents.float()[:, None].expand(B, S // first, first, C).reshape(B, S, C)
+    return ((1 - mask) * condition + mask * tokens.float()).to(tokens.dtype)
+
+
+def first_frame_inputs(tokens: torch.Tensor, timestep: torch.Tensor, image_latents: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model inputs of an image-to-video step, as `WanImageToVideoPipeline.__call__` makes them with
+    `expand_timesteps`: the first frame replaced by the image's latents, and the timestep per token
+    `first_frame_mask · t` (0 on the first frame: it is clean), from `timestep` `[B]` or per token `[B, S]`."""
+    B, S, _ = tokens.shape
+    t = timestep[:, None].expand(B, S) if timestep.dim() == 1 else timestep
+    return blend_first_frame(tokens, image_latents), first_frame_mask(S, image_latents.shape[1], t.device) * t
+
+
+def final_latents(latents: torch.Tensor, cond: dict) -> torch.Tensor:
+    """What `WanImageToVideoPipeline` decodes: after the loop, `(1 - mask) * condition + mask * latents` once more
+    (the first frame's latents stepped along with the others, and are replaced); text-to-video: the latents."""
+    image = cond.get("image_latents")
+    return latents if image is None else blend_first_frame(latents, image.to(latents.device))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .latents import pack_latents, unpack_latents
+from .latents import first_frame_inputs, pack_latents, unpack_latents
 
 # LoRA on each block's self-attention (attn1) and text cross-attention (attn2) q/k/v/out and its FFN: PEFT matches an
 # entry as a suffix after a dot, so these hit `blocks.N.<entry>` and nothing of the embedders.
@@ -34,7 +34,10 @@ def train_forward(model: nn.Module, hidden_states: torch.Tensor, timestep: torch
                   cond: dict[str, torch.Tensor | None]) -> torch.Tensor:
     """The prediction `[B, S, C·4]` for packed latents `hidden_states` (in the model dtype), `timestep` =
     `train_timestep(t)`, `grid` = (latent frames, rows, cols) in patches, and `cond` from `encode_prompts`
-    (collated)."""
+    (collated); with `image_latents` in `cond` (image-to-video, TI2V-5B), the model input and the per-token
+    timestep as `WanImageToVideoPipeline.__call__` makes them with `expand_timesteps` (`latents.first_frame_inputs`)."""
+    if cond.get("image_latents") is not None:
+        hidden_states, timestep = first_frame_inputs(hidden_states, timestep, cond["image_latents"])
     out = model(hidden_states=unpack_latents(hidden_states, grid), timestep=timestep,
                 encoder_hidden_states=cond["encoder_hidden_states"], return_dict=False)[0]
     return pack_latents(out)

@@ -34,6 +34,7 @@ from ...layers.modulation import GatedResidual, LayerNormScaleShift
 from ...layers.norms import LayerNorm
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
+from .latents import first_frame_inputs
 
 # What diffusers keeps in fp32 when it loads the model in another dtype (`WanTransformer3DModel._keep_in_fp32_modules`,
 # matched as a component of a parameter's name); norm1, norm3 and norm_out have no parameters.
@@ -311,16 +312,20 @@ class WanTransformer(nn.Module):
         self.lora_merge = True  # fast default: a LoRA update is folded into the weights
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, grid: tuple[int, int, int],
-                encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+                encoder_hidden_states: torch.Tensor, image_latents: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states: packed patches [B, S, C·pt·ph·pw] (`latents.pack_latents`); timestep: fp32 schedule timesteps
         [B], or one per token [B, S] (TI2V-5B's `expand_timesteps`); grid: (frames, rows, cols) in patches;
-        encoder_hidden_states: [B, L, text_dim], the prompt's tokens zero-padded to the pipeline's max length.
-        Returns the prediction in the same packed layout."""
+        encoder_hidden_states: [B, L, text_dim], the prompt's tokens zero-padded to the pipeline's max length;
+        image_latents: image-to-video's first frame [B, rows·cols, C·4] (fp32), which replaces the first latent
+        frame, whose tokens then get timestep 0 (`latents.first_frame_inputs`). Returns the prediction in the same
+        packed layout."""
         B, S, _ = hidden_states.shape
         if len(grid) != 3 or math.prod(grid) != S:
             raise ValueError(f"grid {tuple(grid)} (frames, rows, cols) does not hold the {S} tokens of hidden_states")
         if timestep.shape not in ((B,), (B, S)):
             raise ValueError(f"timestep {tuple(timestep.shape)} must be [B] or one per token [B, S] = [{B}, {S}]")
+        if image_latents is not None:
+            hidden_states, timestep = first_frame_inputs(hidden_states, timestep, image_latents)
         c = self.config
         x = self.patch_embedding(hidden_states, grid)
         tables = self.rope(grid, x.device)
