@@ -42,9 +42,10 @@ _A14B: dict[str, Any] = {
 }
 _TI2V: dict[str, Any] = {**_A14B, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48,
                          "ffn_dim": 14336, "num_layers": 30}
-# Two layers at small widths (2 heads x 16: the three RoPE axes get 8/4/4 channels), the text as wide as a tiny UMT5;
-# 2 heads so that --tp 2 splits them.
-_TINY = {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "ffn_dim": 64, "num_layers": 2}
+# Two layers at small widths (2 heads x 32: the three RoPE axes get 12/10/10 channels; at 16 the fast engine's
+# rounding met diffusers' by chance on some 12-token inputs), the text as wide as a tiny UMT5; 2 heads so that --tp 2
+# splits them.
+_TINY = {"num_attention_heads": 2, "attention_head_dim": 32, "text_dim": 32, "ffn_dim": 128, "num_layers": 2}
 
 TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {**_A14B, **_TINY},
