@@ -52,8 +52,9 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
                    "such as transformer_2 (default: the first)")
     p.add_argument("--cfg-scale", type=float, default=1.0, help="> 1: compare a CFG step's guided output, the "
                    "branches run as the family runs them (default: 1, the model output)")
-    p.add_argument("--layer-report", choices=("all", "blocks"), default="all",
-                   help="modules compared per layer: all, or whole blocks only (less memory at full size)")
+    p.add_argument("--layer-report", choices=("all", "blocks", "none"), default="all",
+                   help="modules compared per layer: all, whole blocks only (less memory at full size), or none (the "
+                        "model output alone)")
     p.add_argument("--ablate", action="store_true", help="also run with each patch of the group switched off alone")
     p.add_argument("--save", metavar="DIR", help="write inputs, engine output, LoRA and a manifest to DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")

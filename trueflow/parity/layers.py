@@ -47,15 +47,18 @@ def capture(model: nn.Module, names: dict[str, tuple[str, int | None]]):
             h.remove()
 
 
-LAYER_REPORTS = ("all", "blocks")
+LAYER_REPORTS = ("all", "blocks", "none")
 
 
 def engine_targets(engine: nn.Module, family: ModelFamily,
                    layer_report: str = "all") -> dict[str, list[tuple[str, int | None]]]:
     """Engine module -> [(diffusers module name, output index)], one per packed slot for q/k/v layers, for the
-    modules the family marks comparable. `blocks` keeps top-level modules and whole blocks only."""
+    modules the family marks comparable. `blocks` keeps top-level modules and whole blocks only; `none` compares
+    the model output alone (a video model's per-block outputs can outweigh its weights: Wan2.2 at 81 frames)."""
     if layer_report not in LAYER_REPORTS:
         raise ValueError(f"unknown layer report {layer_report!r}; choose one of {', '.join(LAYER_REPORTS)}")
+    if layer_report == "none":
+        return {}
     name_of, comparable = family.engine.diffusers_module_name, family.engine.comparable_modules
     block_prefixes = tuple(f"{b}." for b in family.blocks)
     out = {}

@@ -37,7 +37,7 @@ class ProbeSpec:
     seed: int = 0
     device: str = "cpu"
     lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
-    layer_report: str = "all"  # "blocks": only top-level modules and whole blocks (less memory at full size)
+    layer_report: str = "all"  # "blocks": top-level modules and whole blocks only (less memory); "none": the output
     family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
     expert: str | None = None  # the checkpoint's transformer compared (a pipeline component; default: the first)
     cfg_scale: float = 1.0  # > 1: compare a CFG step's guided output (negative branch: inputs of seed + 1)
