@@ -180,8 +180,9 @@ class Engine:
                                              request.record_snapshot, bar, should_stop)
                     microgroups.append(mg)
                     if request.decode:
-                        final = mg.latents[-1] if pipe.final_latents is None else pipe.final_latents(mg.latents[-1],
-                                                                                                    mg.cond)
+                        final = mg.latents[-1]
+                        if pipe.final_latents is not None:  # e.g. image-to-video's first frame put back
+                            final = pipe.final_latents(final, mg.cond)
                         images.append(self.vae.decode(final, params.height, params.width, params.num_frames))
         info = {"checkpoint": self.checkpoint, "family": self.family.name,
                 "experts": [e.name for e in self.experts], "patch_group": self.patch_group,

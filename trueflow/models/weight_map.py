@@ -37,7 +37,8 @@ BLOCK = block_pattern("transformer_blocks")
 
 
 def renamed(block: dict[str, tuple[str, int | None]], top: dict[str, tuple[str, int | None]],
-            reverse_block: dict[tuple[str, int | None], str] | None = None, blocks: str = "transformer_blocks") -> Names:
+            reverse_block: dict[tuple[str, int | None], str] | None = None,
+            blocks: str = "transformer_blocks") -> Names:
     """The name map of rename tables: diffusers name -> (engine name, packed slot), inside a block (the
     `<blocks>.N.` prefix kept; diffusers' `transformer_blocks`, or e.g. Wan's `blocks`) and at the top level; names
     not listed are the same on both sides. The inverse is the tables reversed, plus `reverse_block` (engine names no

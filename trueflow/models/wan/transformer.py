@@ -43,7 +43,7 @@ KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm2")
 
 @dataclass(frozen=True)
 class WanConfig:
-    """The architecture, with the names and defaults of diffusers' `WanTransformer3DModel` config (the A14B expert's)."""
+    """The architecture, with the names and defaults of diffusers' `WanTransformer3DModel` config (an A14B expert's)."""
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
@@ -334,7 +334,7 @@ class WanTransformer(nn.Module):
             x = block(x, text, proj, tables)
         shift, scale = output_rows(self.scale_shift_table, temb)
         out = self.proj_out(self.norm_out(x, shift, scale))
-        # proj_out's features are (pt, ph, pw, C) per patch (diffusers' unpatchify); the packed layout is (C, pt, ph, pw)
+        # proj_out's features are (pt, ph, pw, C) per patch (diffusers' unpatchify); the packed layout, (C, pt, ph, pw)
         return out.unflatten(-1, (c.patch_volume, c.out_channels)).transpose(-1, -2).flatten(2).contiguous()
 
 
