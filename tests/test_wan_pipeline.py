@@ -26,7 +26,7 @@ from trueflow.models.wan.scheduler_config import WAN_A14B_SCHEDULER_CONFIG, WAN_
 from trueflow.models.wan.train import train_forward
 from trueflow.models.wan.vae import VideoDecoder
 
-TEXT_LEN, STEPS, FRAMES = 16, 4, 5
+TEXT_LEN, STEPS, FRAMES = 16, 2, 5  # 2 steps at shift 3.0: t = 1000 (transformer), 9 (transformer_2)
 SIZES = {"a14b": 32, "ti2v": 64}  # one 2x2-patch token = 16 px (A14B) / 32 px (TI2V-5B)
 
 
