@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +19,8 @@ import msgpack
 import numpy as np
 import pytest
 from PIL import Image
-from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from test_ipc_safety import cuda_bucket, ipc_payload
 from test_server import NO_LORA, assert_same_rollout, checksums, make_lora, serve_subprocess
 from test_server_shutdown import LONG
 from trueflow.placement import EngineSpec
@@ -99,8 +98,7 @@ def test_serve_tp2_rollouts_lora_refusals_and_shutdown(tiny_checkpoint, monkeypa
             # What a multi-process engine cannot take: refused before anything is read or opened, naming the fix.
             r = httpx.post(f"{url}/weights/full", json={"path": "anything"})
             assert r.status_code == 400 and "--tp 1" in r.json()["error"], r.text
-            cuda_payload = bytes(ForkingPickler.dumps({"buckets": [], "scale": 1.0, "f": rebuild_cuda_tensor}))
-            r = httpx.post(f"{url}/weights/lora", content=cuda_payload,
+            r = httpx.post(f"{url}/weights/lora", content=ipc_payload(cuda_bucket()),
                            headers={"content-type": wire.IPC_CONTENT_TYPE})
             assert r.status_code == 400 and "CPU tensors" in r.json()["error"], r.text
             assert checksums(url)["lora"] == tensors_checksum(lora)

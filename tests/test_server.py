@@ -36,6 +36,7 @@ from trueflow.engine.trajectory import Microgroup, Rollout, StepRecord
 from trueflow.http import MSGPACK, serve_in_thread
 from trueflow.loading import read_transformer_state_dict
 from trueflow.sync.checksum import tensors_checksum
+from trueflow.sync.shm import SharedSegments
 
 # Small and fast, but with CFG, an SDE window (log-probs, guided outputs) and two microgroups per prompt.
 PARAMS = SamplingParams(steps=2, num_sde_steps=1, height=32, width=32, rollout_microgroup_size=1)
@@ -283,23 +284,27 @@ def test_failed_updates_leave_the_weights_unchanged(fresh_url, tiny_checkpoint, 
     assert checksums(fresh_url) == before
 
 
-def test_ipc_payloads_run_no_foreign_code(fresh_url):
+def test_ipc_payloads_run_no_foreign_code(fresh_url, tmp_path):
+    """An IPC payload is msgpack, never unpickled: a pickle that would run a command is refused as no payload."""
     import pickle
+
+    owned = tmp_path / "owned"
 
     class Evil:
         def __reduce__(self):
-            return (os.system, ("echo owned",))
+            return (os.system, (f"touch {owned}",))
 
     r = httpx.post(f"{fresh_url}/weights/lora", content=pickle.dumps({"buckets": [], "scale": Evil()}),
                    headers={"content-type": wire.IPC_CONTENT_TYPE})
-    assert r.status_code == 400 and "global posix.system is not allowed" in r.json()["error"], r.text
+    assert r.status_code == 400 and "not a trueflow-ipc/1 payload" in r.json()["error"], r.text
+    assert not owned.exists()
 
 
 def test_ipc_handles_are_taken_from_loopback_clients_only(reference):
     from fastapi.testclient import TestClient
 
     with TestClient(create_app(reference)) as client:  # its requests come from the host "testclient"
-        r = client.post("/weights/lora", content=wire.dump_handles([], scale=1.0),
+        r = client.post("/weights/lora", content=wire.dump_handles([], SharedSegments(), scale=1.0),
                         headers={"content-type": wire.IPC_CONTENT_TYPE})
     assert r.status_code == 403 and "loopback clients only" in r.json()["error"]
 
