@@ -9,6 +9,7 @@ import sys
 import types
 
 from ..engine.interface import RolloutEngine
+from ..http import server_config
 from ..placement import EngineSpec, Placement, build_engine
 from .app import create_app
 from .limits import Limits
@@ -61,8 +62,7 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
                 if not in_process:  # now, not after `run`: uvicorn then re-raises the signal, which ends us at once
                     await asyncio.to_thread(end_engine, engine, app.state.worker)
 
-        Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                              timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
+        Server(server_config(app, host, port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
     except KeyboardInterrupt:  # Ctrl-C while loading, or the SIGINT uvicorn re-raises once it has shut down
         pass
     finally:
