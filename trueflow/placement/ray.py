@@ -33,7 +33,7 @@ import ray
 import torch
 
 from ..engine.interface import EngineWrapper, RolloutEngine, RolloutRequest, StopCheck
-from ..net import free_port
+from ..net import free_port, tcp_store
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPacker
 from ..sync.checksum import tensors_checksum
 from ..sync.shm import SharedSegments
@@ -82,8 +82,7 @@ def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_
     host) and the engines, beside (not inside) the trainers' default group."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, wait_for_workers=False,
-                          timeout=timedelta(minutes=5))
+    store = tcp_store(host, port, rank, size)  # rank 0's bound to `host` alone
     prefixed = dist.PrefixStore("trueflow-weights/", store)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
