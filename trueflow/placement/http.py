@@ -21,7 +21,7 @@ import httpx
 import msgpack
 
 from ..engine import wire
-from ..engine.interface import RolloutCancelled, RolloutRequest, StopCheck
+from ..engine.interface import EngineDied, RolloutCancelled, RolloutRequest, StopCheck
 from ..http import MSGPACK
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, BucketPacker, pack
 from ..sync.shm import SharedSegments
@@ -123,7 +123,8 @@ def push_weights(url: str, state: dict[str, torch.Tensor], bucket_bytes: int = D
 
 
 class HttpEngine:
-    """A `trueflow serve` server at `url` behind the engine interface."""
+    """A `trueflow serve` server at `url` behind the engine interface. A server that stops answering (gone, or a 5xx:
+    a dead rank, shutting down) raises EngineDied naming it; a refused request (4xx) raises ServerError."""
 
     def __init__(self, url: str, timeout: float = 3600.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.url, self.timeout, self.bucket_bytes = url.rstrip("/"), timeout, bucket_bytes
@@ -146,21 +147,36 @@ class HttpEngine:
         check_serves(spec, engine.served, engine.url)
         return engine
 
+    @contextlib.contextmanager
+    def _answering(self):
+        try:
+            yield
+        except httpx.TransportError as e:
+            raise EngineDied(f"the engine server at {self.url} is gone ({type(e).__name__}: {e})") from None
+        except ServerError as e:
+            if e.status < 500:
+                raise
+            raise EngineDied(f"the engine server at {self.url} answered {e.status}: "
+                             f"{' '.join(str(e.message).split())[:300]}") from None
+
     def rollout(self, request: RolloutRequest, should_stop: StopCheck | None = None) -> Rollout:
-        return remote_rollout(self.url, request, self.timeout, should_stop)
+        with self._answering():
+            return remote_rollout(self.url, request, self.timeout, should_stop)
 
     def update_weights(self, state: dict[str, torch.Tensor], lora_scale: float | None = None,
                        merge_mode: str | None = None) -> str:
-        if lora_scale is None:
-            return push_weights(self.url, state, self.bucket_bytes)
-        if self.tp > 1:  # its ranks' processes cannot open CUDA IPC handles sent to the server's process
-            state = {k: v.detach().cpu() for k, v in state.items()}
-        return push_lora(self.url, state, lora_scale, merge_mode, self.bucket_bytes,
-                         packer=(self.packer, self.segments))
+        with self._answering():
+            if lora_scale is None:
+                return push_weights(self.url, state, self.bucket_bytes)
+            if self.tp > 1:  # its ranks' processes cannot open CUDA IPC handles sent to the server's process
+                state = {k: v.detach().cpu() for k, v in state.items()}
+            return push_lora(self.url, state, lora_scale, merge_mode, self.bucket_bytes,
+                             packer=(self.packer, self.segments))
 
     def checksum(self) -> str:
-        return raise_for_error(httpx.get(f"{self.url}/weights/checksum", headers=auth_headers(),
-                                         timeout=self.timeout)).json()["lora"]
+        with self._answering():
+            return raise_for_error(httpx.get(f"{self.url}/weights/checksum", headers=auth_headers(),
+                                             timeout=self.timeout)).json()["lora"]
 
     def health(self) -> dict:
         try:

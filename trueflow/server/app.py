@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine import wire
 from ..engine.sampling_params import SamplingParams, check_family_limits
-from ..engine.interface import RolloutEngine, RolloutRequest
+from ..engine.interface import EngineDied, RolloutEngine, RolloutRequest
 from ..engine.trajectory import Rollout
 from ..http import MSGPACK
 from ..models import get_family
@@ -77,11 +77,16 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
         return JSONResponse(error_body(request.url.path, e.detail, e.status_code), e.status_code)
 
+    async def engine_died(request: Request, e: EngineDied) -> JSONResponse:  # a rank's death: one line, 503
+        return JSONResponse(error_body(request.url.path, str(e), 503, code="engine_died"), 503)
+
     async def failed(request: Request, e: Exception) -> JSONResponse:
+        # One line; Starlette re-raises after this answer, and uvicorn logs the traceback.
         return JSONResponse(error_body(request.url.path, f"{type(e).__name__}: {e}", 500), 500)
 
     app.add_exception_handler(RequestError, refused)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(EngineDied, engine_died)
     app.add_exception_handler(Exception, failed)
 
     async def generation(request: Request, samples: int, params: SamplingParams, prompts: list[str],
