@@ -187,6 +187,7 @@ def _run_train(a: argparse.Namespace) -> int:
     if a.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from .engine.interface import EngineDied
     from .ray import RayRunError
     from .rewards.base import RewardError
     from .train.checkpoint import resume_point
@@ -201,6 +202,9 @@ def _run_train(a: argparse.Namespace) -> int:
             out = run_training(cfg)
     except RayRunError as e:  # an actor died or a rank failed: one line naming it
         print(f"trueflow train: error: {e}", file=sys.stderr)
+        return 1
+    except EngineDied as e:  # its process, a TP rank or its server: one line naming it
+        print(f"trueflow train: error: {e}; the run stopped; {resume_point(cfg.output_dir)}", file=sys.stderr)
         return 1
     except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint (if any) intact
         raise ValueError(f"{e} (the run stopped; fix the reward; {resume_point(cfg.output_dir)}; or "

@@ -15,7 +15,7 @@ from .errors import RequestError
 TOKENIZER_MAX_LENGTH = default_family().pipeline.max_text_tokens
 PROMPT_CHARS_PER_TOKEN = 32  # a prompt longer than this many characters per allowed token is refused untokenized
 WEIGHT_JSON_BYTES = 64 << 10  # a path update's JSON body
-IPC_PAYLOAD_BYTES = 64 << 20  # a pickled bucket list: handles and manifests, never tensor data
+IPC_PAYLOAD_BYTES = 64 << 20  # an IPC payload: handles and manifests, never tensor data
 
 
 @dataclass(frozen=True)
