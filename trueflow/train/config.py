@@ -92,7 +92,11 @@ class TrainConfig(BaseModel):
                                          "default: --cfg-scale)", "rollout", ge=1)
     distilled_guidance_scale: float | None = _f(None, "a guidance-distilled model's scale input (FLUX.1-dev's "
                                                       "guidance_scale; default: the family's)", "rollout")
-    negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
+    negative_prompt: str | None = _f(None, "negative prompt of the CFG branch (default: the family's: ' ' for "
+                                           "Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)",
+                                     "rollout")
+    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 pads "
+                                       "T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
@@ -348,13 +352,17 @@ class TrainConfig(BaseModel):
         import torch
         from diffusers.models.attention_dispatch import AttentionBackendName
 
-        from ..engine.guidance import check_guidance
+        from ..engine.guidance import check_guidance, check_negative_prompt
         from ..patches import get_group
         from .metrics import require_wandb
 
         fam = self.fill_family_defaults()
         # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
         check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
+        check_negative_prompt(fam.name, fam.guidance, self.cfg_scale, self.negative_prompt)
+        if not self.max_sequence_length <= fam.pipeline.max_text_tokens:
+            raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name} takes at most "
+                             f"{fam.pipeline.max_text_tokens} text tokens")
         if self.wandb:
             require_wandb()
         try:
