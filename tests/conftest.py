@@ -172,9 +172,10 @@ class LoraMasters:
             p.copy_(self.masters[n].to(p.dtype))
 
 
-def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dict:
-    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3) as written, on step `t` of
-    microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
+def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int | str = 0) -> dict:
+    """Run a replay script of docs/snapshot.md as written, on step `t` of microgroup `m`, in this process (so with
+    the test's thread count); returns the JSON line it prints. `script`: its index (0: Qwen-Image, 1: LTX-2.3) or its
+    file name, the first word of its docstring (e.g. "replay_flux_step.py")."""
     import contextlib
     import io
     import json
@@ -183,7 +184,8 @@ def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dic
     import sys
 
     doc = Path(__file__).parent.parent / "docs" / "snapshot.md"
-    code = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[script]
+    scripts = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    code = scripts[script] if isinstance(script, int) else next(s for s in scripts if s.startswith(f'"""{script} '))
     path = snapshot.parent / f"replay_step_{script}.py"
     path.write_text(code)
     argv, out = sys.argv, io.StringIO()
