@@ -83,6 +83,14 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def flux_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny FLUX.1-dev pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.checkpoints import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("flux") / "tiny", family="flux")
+
+
 # LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to
 # the video ones only when None, and the pipeline's audio defaults are 7 / 1 / 3 / 0.7.
 LTX2_UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
