@@ -48,13 +48,13 @@ def diffusers_model(config: dict, seed: int) -> FluxTransformer2DModel:
     return model
 
 
-def engine_model(ref: torch.nn.Module, group: bool, disabled: tuple[str, ...] = ()) -> T.FluxTransformer:
+def engine_model(ref: torch.nn.Module, group: bool) -> T.FluxTransformer:
+    """The engine of `ref`'s weights (built before any adapter is added to `ref`)."""
     model = T.build_model(dict(ref.config), "cpu", BF16)
-    W.load_weights(model, {k: v for k, v in ref.state_dict().items() if "lora_" not in k})
+    W.load_weights(model, ref.state_dict())
     if group:
         for patch in P.GROUP.patches:
-            if patch.name not in disabled:
-                patch.apply(model)
+            patch.apply(model)
     return model
 
 
