@@ -87,6 +87,8 @@ class TokenCounter:
 
     def check(self, limits: Limits, prompts: list[str], negative_prompt: str | None) -> None:
         texts = prompts if negative_prompt is None else [*prompts, negative_prompt]  # None: the family's default
+        if not texts:  # no prompt at all: the engine refuses that itself
+            return
         with self._lock:
             counts = [len(ids) for ids in self._tokenizer(texts,
                                                            add_special_tokens=False)["input_ids"]]
