@@ -20,6 +20,7 @@ from trueflow.collate import collate_cond
 from trueflow.engine.engine import Engine, derive_seed
 from trueflow.engine.request import RolloutRequest
 from trueflow.engine.samplers import sample_noise
+from trueflow.engine.weights import load_engine_transformer
 from trueflow.engine.sampling_params import SamplingParams
 from trueflow.models.flux import weights as W
 from trueflow.models.flux.latents import image_ids, latent_grid, noise_shape, pack_latents, unpack_latents
@@ -116,7 +117,12 @@ def test_the_distilled_guidance_steps_are_flux_pipelines_own_calls(flux_checkpoi
         assert_bitwise(again, call["output"], f"train_forward of call {i}")
         assert_bitwise(call["encoder_hidden_states"], mg.cond["encoder_hidden_states"], "T5 embeddings")
         assert_bitwise(call["pooled_projections"], mg.cond["pooled_projections"], "CLIP pooled")
-    assert_differs(engine_rollout(Engine(flux_checkpoint, "none")).microgroups[0].latents[-1], out.images, "none")
+    # the failing side: the engine's fast numerics (no patch group) on the pipeline's first call's inputs
+    fast = load_engine_transformer(flux_checkpoint, "cpu", BF16, "none", family="flux")
+    first = calls[0]
+    with torch.no_grad():
+        assert_differs(fast(hidden_states=first["hidden_states"], timestep=mg.timesteps[0].expand(N), grid=grid,
+                            **mg.cond), first["output"], "group none")
     other = engine_rollout(engine, distilled_guidance_scale=5.0).microgroups[0]
     assert torch.equal(other.cond["guidance"], torch.full((N,), 5.0))
     assert_differs(other.latents[-1], out.images, "distilled scale 5")
