@@ -334,8 +334,8 @@ class TrainConfig(BaseModel):
         return get_family(self.family) if self.family is not None else default_family()
 
     def fill_family_defaults(self) -> "ModelFamily":
-        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group) to the
-        family's values, so that a run records them; returns the family."""
+        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group, negative
+        prompt) to the family's values, so that a run records them; returns the family."""
         fam = self.model_family()
         if self.lora_target_modules is None:
             self.lora_target_modules = list(fam.train.lora_targets)
@@ -343,6 +343,8 @@ class TrainConfig(BaseModel):
             self.fsdp_attention_backend = fam.train.parity_backend
         if self.rollout_patch_group is None:
             self.rollout_patch_group = next(iter(fam.patch_groups))
+        if self.negative_prompt is None:  # stays None where the family's pipeline has none (FLUX.1)
+            self.negative_prompt = fam.guidance.negative_prompt
         return fam
 
     def validate(self) -> None:
@@ -478,7 +480,7 @@ RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_eve
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:
