@@ -58,7 +58,8 @@ def _rank(rank: int, tp: int, port: int, checkpoint: str, queue) -> None:
                 wrong.append(name)
         before = group.collectives
         out = engine_forward(engine, probe.inputs)
-        report = {"rank": rank, "wrong": wrong, "fractions": sorted(fractions), "collectives": group.collectives - before,
+        report = {"rank": rank, "wrong": wrong, "fractions": sorted(fractions),
+                  "collectives": group.collectives - before,
                   "proj_out_whole": engine.single_transformer_blocks[0].proj_out.weight.shape[1]}
         if rank == 0:
             report["none"] = probe.run("none")[0].model_output_max_abs_diff  # the gate's bound, one process

@@ -80,6 +80,7 @@ def build_transformer(
         model = FluxTransformer2DModel(**config)
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
+            empty = torch.empty(p.shape, dtype=dtype, device=device)
+            mod.register_parameter(name, nn.Parameter(empty, p.requires_grad))
     init_weights_(model, seed, device)
     return model.eval()
