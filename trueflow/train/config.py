@@ -95,7 +95,11 @@ class TrainConfig(BaseModel):
     distilled_guidance_scale: float | None = _f(None, "a guidance-distilled model's scale input (FLUX.1-dev's "
                                                       "guidance_scale; default: the family's)", "rollout", ge=0,
                                                 le=CFG_SCALE_MAX)
-    negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
+    negative_prompt: str | None = _f(None, "negative prompt of the CFG branch (default: the family's: ' ' for "
+                                           "Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)",
+                                     "rollout")
+    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 pads "
+                                       "T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
@@ -335,8 +339,8 @@ class TrainConfig(BaseModel):
         return get_family(self.family) if self.family is not None else default_family()
 
     def fill_family_defaults(self) -> "ModelFamily":
-        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group) to the
-        family's values, so that a run records them; returns the family."""
+        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group, negative
+        prompt) to the family's values, so that a run records them; returns the family."""
         fam = self.model_family()
         if self.lora_target_modules is None:
             self.lora_target_modules = list(fam.train.lora_targets)
@@ -344,6 +348,8 @@ class TrainConfig(BaseModel):
             self.fsdp_attention_backend = fam.train.parity_backend
         if self.rollout_patch_group is None:
             self.rollout_patch_group = next(iter(fam.patch_groups))
+        if self.negative_prompt is None:  # stays None where the family's pipeline has none (FLUX.1)
+            self.negative_prompt = fam.guidance.negative_prompt
         return fam
 
     def validate(self) -> None:
@@ -353,13 +359,17 @@ class TrainConfig(BaseModel):
         import torch
         from diffusers.models.attention_dispatch import AttentionBackendName
 
-        from ..engine.guidance import check_guidance
+        from ..engine.guidance import check_guidance, check_negative_prompt
         from ..patches import get_group
         from .metrics import require_wandb
 
         fam = self.fill_family_defaults()
         # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
         check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
+        check_negative_prompt(fam.name, fam.guidance, self.cfg_scale, self.negative_prompt)
+        if not self.max_sequence_length <= fam.pipeline.max_text_tokens:
+            raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name} takes at most "
+                             f"{fam.pipeline.max_text_tokens} text tokens")
         if self.wandb:
             require_wandb()
         try:
@@ -475,7 +485,7 @@ RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_eve
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:
