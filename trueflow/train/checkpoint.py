@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from ..files import publish
+from ..lora_files import (COMPLETE, DIFFUSERS_PREFIX, EMA_FILE, LORA_FILE, complete_checkpoints,  # noqa: F401 - re-exported
+                          latest_checkpoint)
 from ..models.spec import ModelFamily
 from .dist import DistContext
 from .model import LoraSpec
 from .policy import lora_full_state, set_lora_state
 from .schedule import LoraEMA
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
-EMA_FILE = "pytorch_lora_weights_ema.safetensors"
-DIFFUSERS_PREFIX = "transformer."
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -99,7 +99,8 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
         extra["scheduler"] = scheduler
     torch.save(extra, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-    (tmp / "COMPLETE").write_text("ok\n")
+    (tmp / COMPLETE).write_text("ok\n")
+    publish(tmp)  # the LoRA files as readable as the rest (safetensors writes 0600)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -110,27 +111,10 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
     return final
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoint folders, newest first (the one `latest` names leads)."""
-    ckpts = root / "checkpoints"
-    if not ckpts.is_dir():
-        return []
-    done = sorted((d for d in ckpts.glob("step-*") if (d / "COMPLETE").is_file()), reverse=True)
-    pointer = ckpts / "latest"
-    named = ckpts / pointer.read_text().strip() if pointer.is_file() else None
-    return sorted(done, key=lambda d: d != named)  # stable: the named one first, the rest newest first
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint: the one `latest` names, or failing that the newest folder with COMPLETE."""
-    done = complete_checkpoints(root)
-    return done[0] if done else None
-
-
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(LoRA fp32 masters by PEFT name, optimizer+rng(+scheduler) state with the EMA of the LoRA under "ema" when
     saved, trainer state). A missing or damaged file raises CheckpointError."""
-    missing = [f for f in (LORA_FILE, "optimizer.pt", "trainer_state.json", "COMPLETE") if not (path / f).is_file()]
+    missing = [f for f in (LORA_FILE, "optimizer.pt", "trainer_state.json", COMPLETE) if not (path / f).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)})")
     try:
