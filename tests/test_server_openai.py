@@ -47,5 +47,5 @@ def test_a_refusal_shows_the_servers_reason(client, kwargs, param, code, reason)
 
 def test_an_unknown_route_is_an_openai_error(client):
     with pytest.raises(openai.NotFoundError) as e:
-        client.models.list()
+        client.files.list()
     assert e.value.body == {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": None}
