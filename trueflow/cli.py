@@ -148,12 +148,12 @@ def _add_init_checkpoint(p: argparse.ArgumentParser) -> None:
 
 
 def _run_init_checkpoint(a: argparse.Namespace) -> int:
-    from .models import default_family, get_family
-
-    fam = get_family(a.family) if a.family is not None else default_family()
     out = _check_output_dir(a.output_dir)
     if out.is_dir() and any(out.iterdir()) and not a.overwrite:
         raise FileExistsError(f"--output-dir {a.output_dir} exists and is not empty: add --overwrite to replace it")
+    from .models import default_family, get_family
+
+    fam = get_family(a.family) if a.family is not None else default_family()
     from .checkpoints import init_checkpoint
     from .dtypes import torch_dtype
 
