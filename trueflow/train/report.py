@@ -30,18 +30,26 @@ TIMING_SERIES = (
 
 
 def write_sample_grid(rollout, path: Path, reward_name: str = "reward") -> Path:
-    """One row per prompt (the prompt at its left), its samples left to right, each titled with its reward (or
-    "skipped" where the reward skipped the prompt's group). A video rollout's grid shows each sample's middle frame, and each prompt's first
-    sample is written beside it as an MP4 (`<grid>-p<prompt>.mp4`)."""
+    """The rollout's `sample_grid_figure` as a PNG. A video rollout's grid shows each sample's middle frame, and each
+    prompt's first sample is written beside it as an MP4 (`<grid>-p<prompt>.mp4`)."""
     images = rollout.images.cpu()
-    n = rollout.n_per_prompt
     if images.ndim == 5:  # [P*n, F, H, W, 3]
         from ..video import write_mp4
 
+        n = rollout.n_per_prompt
         for p in range(images.shape[0] // n):
             write_mp4(images[p * n], path.with_name(f"{path.stem}-p{p}.mp4"), rollout.params.fps)
         images = images[:, images.shape[1] // 2]
-    images = images.numpy()  # [P*n, H, W, 3]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sample_grid_figure(images.numpy(), rollout, reward_name).savefig(path)
+    return path
+
+
+def sample_grid_figure(images: np.ndarray, rollout, reward_name: str = "reward") -> Figure:
+    """One row per prompt (the prompt at its left), its samples left to right, each titled with its reward (or
+    "skipped" where the reward skipped the prompt's group, "not scored" where no reward ran). `images`: uint8
+    `[P*n, H, W, 3]`."""
+    n = rollout.n_per_prompt
     rows, (h, w) = images.shape[0] // n, images.shape[1:3]
     rewards = [None] * len(images) if rollout.rewards is None else rollout.rewards.float().cpu().tolist()
     # A cell shows the image at about its own pixels, within 1.5-3 inches at the figure's 110 dpi.
@@ -58,9 +66,7 @@ def write_sample_grid(rollout, path: Path, reward_name: str = "reward") -> Path:
         ax.set_title("not scored" if r is None else "skipped" if not np.isfinite(r) else f"{r:.4g}", fontsize=8)
         if i % n == 0:
             ax.set_ylabel(textwrap.fill(rollout.prompts[i // n], 24), fontsize=8, rotation=0, ha="right", va="center")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return fig
 
 
 def _column(rows: list[dict], key: str) -> np.ndarray:
