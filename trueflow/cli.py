@@ -32,14 +32,14 @@ if TYPE_CHECKING:
 def _pipeline_family(checkpoint: str, family: str | None = None, whole: bool = True) -> ModelFamily:
     """The family of `--checkpoint` (its model_index.json against the family registry); `whole`: it must be a
     whole pipeline folder (an engine needs its text encoder and VAE), else a transformer/ folder will do."""
-    from .models import family_for_checkpoint
-
     path = Path(checkpoint)
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder")
     if whole and not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: not a diffusers pipeline folder (no model_index.json; "
                                 "`trueflow init-checkpoint --output-dir DIR` writes one)")
+    from .models import family_for_checkpoint
+
     return family_for_checkpoint(path, family)
 
 
@@ -197,11 +197,11 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
 
 
 def _check_parity(a: argparse.Namespace) -> None:
-    from .models import default_family, get_family
-
     if a.checkpoint is not None:
         fam = _pipeline_family(a.checkpoint, a.family, whole=False)
     else:
+        from .models import default_family, get_family
+
         fam = get_family(a.family) if a.family is not None else default_family()
     _check_engine_options(a, fam)
     granule = fam.pipeline.pixels_per_token
