@@ -592,6 +592,33 @@ def _flag(section: str | None, key: str) -> str:
     return "--" + (f"{section}." if section else "") + key.replace("_", "-")
 
 
+def _flat_aliases(name: str) -> list[str]:
+    """A setting's flat flags, without the leading -- (none where its sectioned flag is already flat)."""
+    nested = _flag(*LOCATIONS[name])[2:]
+    return [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+
+
+def _default_text(f: FieldInfo) -> str:
+    default = f.default
+    return repr(default) if isinstance(default, str) and default.strip() != default else _show(default)
+
+
+def settings_table() -> str:
+    """docs/training.md's settings table, one row per setting from this schema (tests/test_docs.py keeps the doc
+    equal to it; `python scripts/docs.py --table` rewrites it)."""
+    lines = ["| setting (YAML) | flags | default | what it sets |", "|---|---|---|---|"]
+    for name, f in TrainConfig.model_fields.items():
+        section, key = LOCATIONS[name]
+        flags = [_flag(section, key), *(f"--{a}" for a in _flat_aliases(name))]
+        args = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+        choices = f" ({' or '.join(f'`{c}`' for c in typing.get_args(args[0] if args else f.annotation))})" \
+            if typing.get_origin(args[0] if args else f.annotation) is Literal else ""
+        what = (f.description or "").replace("|", "\\|")
+        lines.append(f"| `{f'{section}.' if section else ''}{key}` | {', '.join(f'`{x}`' for x in flags)} | "
+                     f"`{_default_text(f)}` | {what}{choices} |")
+    return "\n".join(lines) + "\n"
+
+
 def _settings_class() -> type:
     """TrainConfig in sections, for pydantic-settings to build flags from (the checks stay in TrainConfig)."""
     from pydantic_settings import BaseSettings
@@ -619,8 +646,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
                    "loads that back)")
     shortcuts = {}  # sectioned flag -> its flat aliases, without the leading --
     for name, (section, key) in LOCATIONS.items():
-        nested = _flag(section, key)[2:]
-        flat = [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+        nested, flat = _flag(section, key)[2:], _flat_aliases(name)
         if name in SECTIONS:  # --checkpoint, --reward: pydantic-settings would take these names for the sections
             p.add_argument(*(f"--{a}" for a in flat), dest=f"{section}.{key}", default=argparse.SUPPRESS,
                            metavar="VALUE", help=f"{TrainConfig.model_fields[name].description} (alias of --{nested})")
@@ -666,9 +692,7 @@ def _help(f: FieldInfo) -> str:
     to unset an optional setting."""
     text = f.description or ""
     if "(default" not in text:
-        default = f.default
-        shown = repr(default) if isinstance(default, str) and default.strip() != default else _show(default)
-        text += f" (default: {shown})"
+        text += f" (default: {_default_text(f)})"
     if type(None) in typing.get_args(f.annotation):
         text += "; null unsets it"
     return text.replace("%", "%%")
