@@ -1,5 +1,5 @@
 """A user error is refused before anything heavy loads, checked without a clock: one fresh interpreter runs each
-mistake through `trueflow.cli.main` and reads `sys.modules` at the refusal. Mistakes that need no model family
+typical mistake through `trueflow.cli.main` and reads `sys.modules` at the refusal. Mistakes that need no model family
 (a flag, a missing file or folder) import no torch at all; the rest read the family registry (model_index.json and
 the families' specs: torch's core) and import none of torch's heavy parts (the compiler, FSDP, DTensor), Triton,
 diffusers, transformers or PEFT. Each refusal is one line, exit status 2."""
@@ -58,7 +58,14 @@ def test_mistakes_are_refused_before_anything_heavy_loads(tiny_checkpoint, ltx2_
         ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--resolution", "70"],
         ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--lora", nowhere],
         ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--disable-patch", "bogus"],
+        ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--patch-group", "none",
+         "--disable-patch", "rms_norm"],
+        ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--threads", "0"],
+        ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--n-samples-per-prompt", "0"],
+        ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", str(run / "metrics.jsonl")],
+        ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--ema"],
         ["parity", "--checkpoint", q, "--resolution", "70"],
+        ["parity", "--checkpoint", q, "--batch", "0"],
         ["serve", "--checkpoint", q, "--max-steps", "0"],
         ["serve", "--checkpoint", q, "--weights-root", nowhere],
         ["serve", "--checkpoint", ltx, "--patch-group", "qwen_image"],
@@ -71,6 +78,9 @@ def test_mistakes_are_refused_before_anything_heavy_loads(tiny_checkpoint, ltx2_
         ["init-checkpoint", "--family", "flux", "--output-dir", str(tmp_path / "new")],
         ["patches", "--family", "ltx2", "--patch-group", "qwen_image"],
         ["reward", "--reward", "redness", "--image", nowhere, "--prompt", "p"],
+        ["reward", "--reward", "redness", "--image", str(run / "metrics.jsonl"), "--prompt", "p"],
+        ["reward-serve", "--reward", "redness", "--max-batch", "0"],
+        ["reward-serve", "--reward", "redness", "--max-wait-ms", "-1"],
     ]
     results = refusals(no_torch + light)
     for i, r in enumerate(results):
