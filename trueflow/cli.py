@@ -465,12 +465,8 @@ def _run_reward_serve(a: argparse.Namespace) -> int:
 # -- serve ---------------------------------------------------------------------------------------------------
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="diffusers pipeline folder")
-    add_engine_options(p)
-    p.set_defaults(seed=None)
-    for action in p._actions:
-        if action.dest == "seed":
-            action.help = ("the seed of every OpenAI-style request that names none (default: a new random seed per "
-                           "request, returned in the answer)")
+    add_engine_options(p, seed=None, seed_help="random seed of every OpenAI-style request that names none "
+                       "(default: a new one per request, returned in the answer)")
     add_lora_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; IPC weight updates are "
                    "taken from loopback clients only)")
@@ -503,17 +499,14 @@ def _run_serve(a: argparse.Namespace) -> int:
     fam = _pipeline_family(a.checkpoint)
     _check_engine_options(a, fam)
     lora = _check_lora(a, fam)
-    if a.tp > 1 and a.device.startswith("cuda"):  # rank r takes GPU r
-        if a.device != "cuda":
-            raise ValueError(f"--tp {a.tp} takes --device cuda (rank r runs on GPU r), not --device {a.device}: "
-                             f"choose the GPUs with CUDA_VISIBLE_DEVICES")
-        import torch
-
-        if torch.cuda.device_count() < a.tp:
-            raise ValueError(f"--tp {a.tp} needs {a.tp} GPUs, one per rank; {torch.cuda.device_count()} visible")
-    _set_threads(a)
+    if a.tp > 1 and a.device.startswith("cuda") and a.device != "cuda":  # rank r takes GPU r
+        raise ValueError(f"--tp {a.tp} takes --device cuda (rank r runs on GPU r), not --device {a.device}: "
+                         f"choose the GPUs with CUDA_VISIBLE_DEVICES")
     import torch
 
+    if a.tp > 1 and a.device == "cuda" and torch.cuda.device_count() < a.tp:
+        raise ValueError(f"--tp {a.tp} needs {a.tp} GPUs, one per rank; {torch.cuda.device_count()} visible")
+    _set_threads(a)
     from .server import serve
 
     serve(*_engine_placement(a, threads=torch.get_num_threads()), host=a.host, port=a.port, limits=limits,

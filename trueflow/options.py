@@ -79,16 +79,17 @@ def add_threads(p: argparse.ArgumentParser) -> None:
                         "sides (condition 9) (default: torch's)")
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
+def add_engine_options(p: argparse.ArgumentParser, seed: int | None = 0,
+                       seed_help: str = "random seed (default: 0)") -> None:
     """Options of every verb that builds a rollout engine (the patch group is the checkpoint family's parity group
-    unless given: `resolve.engine_family`)."""
+    unless given: `models.patch_group_for`)."""
     p.add_argument("--patch-group", default=None, metavar="GROUP",
                    help="rollout patch group: the checkpoint family's parity group (qwen_image, ltx) makes the "
                         "engine train-exact; 'none' keeps its fast numerics (default: the family's parity group)")
     p.add_argument("--disable-patch", action="append", default=[], metavar="NAME",
                    help="switch one patch of the group off (repeatable); see `trueflow patches`")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default: bf16)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=int, default=seed, help=seed_help)
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     add_threads(p)
 
