@@ -43,7 +43,7 @@ def test_train_then_sample_the_trained_policy_from_generate_and_serve(tmp_path, 
     assert all(f"{k}=" in err for k in ("loss", "kl", "lr", "reward", "diff")), err[-500:]  # the progress bar
     rows = read_metrics(run / "metrics.jsonl")
     assert len(rows) == 2 and all(r["model_output_max_abs_diff"] == 0.0 and "timestamp" in r for r in rows)
-    for f in run.rglob("*"):  # what the run wrote reads like any file the user makes (the LoRA files too)
+    for f in [*ckpt.rglob("*"), *run.rglob("*")]:  # readable like any file the user makes (safetensors too)
         if f.is_file():
             assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
 

@@ -554,7 +554,14 @@ def main(argv: list[str] | None = None) -> int:
     command_line = argv is None  # the process's own command line, not a call from Python
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
-    warnings.formatwarning = _one_line_warning(verb if verb in VERBS else "")
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning(verb if verb in VERBS else "")
+    try:
+        return _main(argv, verb, command_line)
+    finally:  # a caller in Python gets its own formatting back
+        warnings.formatwarning = formatwarning
+
+
+def _main(argv: list[str], verb: str | None, command_line: bool) -> int:
     parser = build_parser(verb if verb in VERBS else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named with the verb whose --help lists what it takes
