@@ -27,7 +27,7 @@ from trueflow.train.metrics import read_metrics
 from trueflow.train.run import run_training
 from trueflow.video import read_frames
 
-WAN_REPLAY = 2  # docs/snapshot.md's third script
+WAN_REPLAY = "replay_wan_step.py"  # docs/snapshot.md's Wan script
 SIZES = {"a14b": 32, "ti2v": 64}
 
 
@@ -48,8 +48,8 @@ def _one_line_error(capsys, *argv) -> str:
 
 def test_init_checkpoint_writes_both_layouts(tmp_path, wan_a14b_checkpoint, wan_ti2v_checkpoint):
     out = tmp_path / "w"
-    assert "wrote a tiny wan checkpoint" in _stdout(["init-checkpoint", "--family", "wan", "--size", "tiny", "--out",
-                                                    str(out)])
+    assert "wrote a tiny wan checkpoint" in _stdout(["init-checkpoint", "--family", "wan", "--size", "tiny",
+                                                    "--output-dir", str(out)])
     a14b, ti2v = (json.loads((c / "model_index.json").read_text()) for c in (out, wan_ti2v_checkpoint))
     assert (a14b["boundary_ratio"], a14b["expand_timesteps"], a14b["transformer_2"]) == (
         0.875, False, ["diffusers", "WanTransformer3DModel"])
@@ -112,9 +112,9 @@ def test_parity_cli_and_ablation(wan_a14b_checkpoint):
 # -- generate ----------------------------------------------------------------------------------------------------------
 def _generate(checkpoint: Path, out: Path, group: str, *extra: str, images: int = 2) -> Path:
     size = str(SIZES["ti2v" if "ti2v" in checkpoint.name else "a14b"])
-    _stdout(["generate", "--checkpoint", str(checkpoint), "--prompt", "a red apple", "--num-images", str(images),
-             "--num-frames", "5", "--resolution", size, "--steps", "2", "--sampler", "sde", "--cfg-scale", "4",
-             "--patch-group", group, "--snapshot", str(out / "s.safetensors"), "--out", str(out), *extra])
+    _stdout(["generate", "--checkpoint", str(checkpoint), "--prompt", "a red apple", "--n-samples-per-prompt",
+             str(images), "--num-frames", "5", "--resolution", size, "--steps", "2", "--sampler", "sde",
+             "--cfg-scale", "4", "--patch-group", group, "--snapshot", str(out / "s.safetensors"), "--output-dir", str(out), *extra])
     return out / "s.safetensors"
 
 
@@ -218,22 +218,23 @@ def test_bad_input_is_refused_in_one_line(wan_a14b_checkpoint, wan_ti2v_checkpoi
         want = "names transformer_2 without a boundary_ratio" if name == "no_boundary" else \
             "has a boundary_ratio but no transformer_2 component"
         assert want in _one_line_error(capsys, "parity", "--checkpoint", str(broken))
-        assert want in _one_line_error(capsys, "generate", "--checkpoint", str(broken), "--prompt", "x", "--out",
-                                       str(tmp_path / "o"))
+        assert want in _one_line_error(capsys, "generate", "--checkpoint", str(broken), "--prompt", "x",
+                                       "--output-dir", str(tmp_path / "o"))
     # a frame count not of the form 4k + 1
     line = _one_line_error(capsys, "generate", "--checkpoint", str(wan_a14b_checkpoint), "--prompt", "x",
-                           "--num-frames", "8", "--resolution", "32", "--out", str(tmp_path / "o"))
+                           "--num-frames", "8", "--resolution", "32", "--output-dir", str(tmp_path / "o"))
     assert "num_frames must be 1, 5, 9, ..." in line and "4k + 1" in line
     assert "4k + 1" in _one_line_error(capsys, "train", "--checkpoint", str(wan_a14b_checkpoint), "--num-frames",
                                        "6", "--resolution", "32", "--output-dir", str(tmp_path / "r"))
     # image-to-video without its image, and an image where the layout takes none (the A14B)
     line = _one_line_error(capsys, "generate", "--checkpoint", str(wan_ti2v_checkpoint), "--prompt", "x",
-                           "--num-frames", "5", "--image", str(tmp_path / "missing.png"), "--out", str(tmp_path / "o"))
+                           "--num-frames", "5", "--image", str(tmp_path / "missing.png"), "--output-dir",
+                           str(tmp_path / "o"))
     assert "missing.png: no such file; image-to-video needs its first frame" in line
     assert "takes no first-frame image here" in _one_line_error(
         capsys, "generate", "--checkpoint", str(wan_a14b_checkpoint), "--prompt", "x", "--num-frames", "5",
-        "--resolution", "32", "--image", str(tmp_path / "missing.png"), "--out", str(tmp_path / "o"))
+        "--resolution", "32", "--image", str(tmp_path / "missing.png"), "--output-dir", str(tmp_path / "o"))
     # a size that is not a whole number of tokens (16 px on the A14B, 32 px on the TI2V-5B)
     assert "multiple of 32" in _one_line_error(capsys, "generate", "--checkpoint", str(wan_ti2v_checkpoint),
-                                               "--prompt", "x", "--num-frames", "5", "--resolution", "48", "--out",
-                                               str(tmp_path / "o"))
+                                               "--prompt", "x", "--num-frames", "5", "--resolution", "48",
+                                               "--output-dir", str(tmp_path / "o"))

@@ -30,7 +30,7 @@ _TOP_RENAMES: dict[str, tuple[str, int | None]] = {
     "condition_embedder.text_embedder.linear_1": ("condition_embedder.text_embedder.proj_in", None),
     "condition_embedder.text_embedder.linear_2": ("condition_embedder.text_embedder.proj_out", None),
 }
-NAMES = weight_map.renamed(_BLOCK_RENAMES, _TOP_RENAMES, blocks=BLOCKS)
+NAMES = weight_map.renamed({}, _TOP_RENAMES, lists={BLOCKS: _BLOCK_RENAMES})
 map_module_name, diffusers_module_name = NAMES  # diffusers module -> (engine module, packed slot), and back
 
 
