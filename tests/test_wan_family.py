@@ -124,8 +124,10 @@ def test_generate_writes_videos_and_a_snapshot_diffusers_replays(wan_a14b_checkp
         assert read_frames(tmp_path / "on" / f"{i:04d}.mp4").shape == (5, 32, 32, 3)  # the frames asked for
         assert (tmp_path / "on" / f"{i:04d}-frames.png").is_file()
     with safe_open(str(snapshot), "pt") as f:
-        group = json.loads(f.metadata()["trueflow"])["microgroups"][0]
+        meta = json.loads(f.metadata()["trueflow"])
+    group = meta["microgroups"][0]
     assert group["experts"] == ["transformer", "transformer_2"] and group["cfg_scales"] == [4, 3]
+    assert meta["params"]["negative_prompt"] == ""  # WanPipeline.encode_prompt's default, `negative_prompt or ""`
     for t in (0, 1):  # one step on each expert
         assert replay_snapshot_step(snapshot, 0, t, script=WAN_REPLAY) == {
             "microgroup": 0, "step": t, "expert": group["experts"][t], "bitwise_equal": True, "max_abs_diff": 0.0}

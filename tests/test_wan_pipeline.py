@@ -50,9 +50,9 @@ def _pipeline(cls, checkpoint):
 
 
 def _rollout(checkpoint, size: int, **params):
-    engine = Engine(checkpoint, "wan")
+    engine = Engine(checkpoint, "wan")  # the negative prompt: the family's default, the pipeline's
     p = SamplingParams(steps=STEPS, sampler="ode", cfg_scale=4.0, height=size, width=size, num_frames=FRAMES,
-                       negative_prompt="", max_sequence_length=TEXT_LEN, **params)
+                       max_sequence_length=TEXT_LEN, **params)
     return engine, engine.rollout(RolloutRequest(["a red apple"], 2, p, seed=0))
 
 
@@ -68,7 +68,7 @@ def test_the_rollout_is_the_pipelines(wan_a14b_checkpoint):
     mg = rollout.microgroups[0]
     pipe, calls = _pipeline(WanPipeline, checkpoint)
     stepped = []
-    out = pipe(prompt="a red apple", negative_prompt="", height=size, width=size, num_frames=FRAMES,
+    out = pipe(prompt="a red apple", height=size, width=size, num_frames=FRAMES,
                num_inference_steps=STEPS, guidance_scale=4.0, guidance_scale_2=scale_2.get("cfg_scale_2"),
                num_videos_per_prompt=2, latents=unpack_latents(mg.latents[0], mg.grid), max_sequence_length=TEXT_LEN,
                output_type="np", callback_on_step_end=lambda p, i, t, kw: stepped.append(kw["latents"]) or {})

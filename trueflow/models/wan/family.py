@@ -127,7 +127,8 @@ FAMILY = ModelFamily(
         build_transformer=lazy(f"{__package__}.presets", "build_transformer"),
         write_checkpoint=lazy(f"{__package__}.checkpoint", "write_checkpoint"),
     ),
-    guidance=Guidance("separate", plain_cfg, per_expert_scale=True),
+    # The negative prompt of a request naming none: WanPipeline.encode_prompt's `negative_prompt or ""`
+    guidance=Guidance("separate", plain_cfg, per_expert_scale=True, negative_prompt=""),
     experts=boundary_experts,
     layout=layout,
 )
