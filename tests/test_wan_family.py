@@ -2,7 +2,8 @@
 A14B and the dense TI2V-5B), `parity` (bitwise under the `wan` group on each expert, with and without LoRA, with CFG,
 image-to-video on the TI2V-5B; not without the group), `generate` (MP4s of the requested frames, a snapshot whose
 steps, on either expert, diffusers alone replays bit for bit), `train` (2 rollouts crossing the expert boundary: 0.0
-at every step, both experts' LoRA moving and loadable by WanPipeline), the recipes, and the one-line refusals."""
+at every step, both experts' LoRA moving and loadable by WanPipeline, the recorded run reproduced bit for bit; and the
+TI2V-5B's per-token timesteps), the recipes, and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import replay_snapshot_step
+from conftest import assert_matches_recorded_run, replay_snapshot_step
 from trueflow.cli import main
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.train.config import TrainConfig, config_from_argv
@@ -170,6 +171,7 @@ def test_train_is_bitwise_across_the_expert_boundary_and_trains_both_experts(wan
     # 2 steps: at the A14B's shift 3.0 the schedule's timesteps are 1000 and 9: the first step runs `transformer`,
     # the second `transformer_2`; both steps stochastic, so both experts train.
     _train(wan_a14b_checkpoint, tmp_path / "run", SIZES["a14b"], steps=2, cfg_scale=4.0, cfg_scale_2=3.0)
+    assert_matches_recorded_run(tmp_path / "run", "wan_train")  # the run as recorded (tests/golden), bit for bit
     with safe_open(str(tmp_path / "run" / "snapshots" / "rollout-00001.safetensors"), "pt") as f:
         group = json.loads(f.metadata()["trueflow"])["microgroups"][0]
     assert group["experts"] == ["transformer", "transformer_2"] and group["sde_steps"] == [0, 1]
