@@ -128,9 +128,10 @@ def full_probe(expert: str, device: str, size: str, text_len: int) -> ParityProb
 
 
 def full_parity(expert: str, device: str, size: str, frames_list: list[int], height: int, width: int,
-                text_len: int, save) -> tuple[list[dict], bool]:
+                text_len: int, save) -> tuple[list[dict], bool, ParityProbe]:
     """0.0 after 0, 1 and 2 LoRA updates under `wan` at each frame count, then the fast engine (`none`) at the last
-    one after the same updates: not bitwise. `save(rows)` after each frame count (a run cut short keeps them)."""
+    one after the same updates: not bitwise. `save(rows)` after each frame count (a run cut short keeps them).
+    Returns the probe too (its train side, for the speed part of the same expert)."""
     seed, t, scale = EXPERTS[expert]
     print(f"full-size Wan2.2-A14B {expert} parity (seed {seed}, t {t}, CFG {scale}), random weights, {width}x{height}, "
           f"microgroup 4, text {text_len}, LoRA rank 64")
@@ -156,16 +157,17 @@ def full_parity(expert: str, device: str, size: str, frames_list: list[int], hei
     rows.append(_row(f"{expert} b4 {width}x{height} {frames_list[-1]} frames, --patch-group none", r, time.time() - t1))
     ok &= not r.bitwise_equal
     print(f"  peak {_peak():.1f} GiB")
-    return rows, ok
+    return rows, ok, probe
 
 
 def full_speed(expert: str, device: str, size: str, frames: int, height: int, width: int, text_len: int, reps: int,
-               compile_baseline: bool) -> dict:
+               compile_baseline: bool, probe: ParityProbe | None = None) -> dict:
     """One guided step of a microgroup (two branch forwards and the CFG combine): diffusers (the train side) eager,
-    optionally regionally compiled, against the engine in parity mode and in fast mode, interleaved, warm."""
+    optionally regionally compiled, against the engine in parity mode and in fast mode, interleaved, warm. `probe`:
+    the parity part's of this expert, if it ran (else one is built)."""
     seed, t, scale = EXPERTS[expert]
     print(f"full-size Wan2.2-A14B {expert} speed, {width}x{height} {frames} frames, microgroup 4, CFG {scale}")
-    probe = full_probe(expert, device, size, text_len)
+    probe = probe or full_probe(expert, device, size, text_len)
     engine, fast = probe.build_engine("wan"), probe.build_engine("none")
     probe.set_inputs(video_inputs(probe.config, 4, text_len, height, width, frames, t, seed, device))
     i, neg = probe.inputs, probe.negative_cond
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d"), "argv": argv}
     print(info)
     out = Path(a.out)
-    report, ok = {"info": info}, True
+    report, ok, kept = {"info": info}, True, None
 
     def save() -> None:
         out.write_text(json.dumps(report, indent=1))
@@ -263,16 +265,19 @@ def main(argv: list[str] | None = None) -> int:
                 report[expert]["rows"] = rows
                 save()
 
-            report[expert]["rows"], ok_part = full_parity(expert, a.device, a.size,
-                                                          [int(f) for f in a.frames.split(",")], a.height, a.width,
-                                                          a.text_len, keep)
+            report[expert]["rows"], ok_part, probe = full_parity(expert, a.device, a.size,
+                                                                 [int(f) for f in a.frames.split(",")], a.height,
+                                                                 a.width, a.text_len, keep)
             report[expert]["peak_gib"] = _peak()
-            _free()  # the expert's models, before the next one is built
+            kept = probe if "speed" in parts and expert == a.speed_expert else kept
+            del probe
+            _free()  # the expert's models, before the next one is built (the speed expert's train side kept)
             ok &= ok_part
             save()
     if "speed" in parts:
         report["speed"] = full_speed(a.speed_expert, a.device, a.size, a.speed_frames, a.height, a.width, a.text_len,
-                                     a.reps, a.compile)
+                                     a.reps, a.compile, kept)
+        kept = None
         _free()
     report["ok"] = ok
     save()
