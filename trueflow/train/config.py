@@ -93,6 +93,8 @@ class TrainConfig(BaseModel):
     distilled_guidance_scale: float | None = _f(None, "a guidance-distilled model's scale input (FLUX.1-dev's "
                                                       "guidance_scale; default: the family's)", "rollout")
     negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
+    max_sequence_length: int = _f(512, "text tokens the family's text encoder pads or truncates prompts to (at most "
+                                       "the family's window: SD3's T5 takes 512)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
@@ -353,6 +355,9 @@ class TrainConfig(BaseModel):
         from .metrics import require_wandb
 
         fam = self.fill_family_defaults()
+        if self.max_sequence_length > fam.pipeline.max_text_tokens:
+            raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name}'s text encoder takes "
+                             f"at most {fam.pipeline.max_text_tokens} tokens")
         # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
         check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
         if self.wandb:

@@ -168,7 +168,7 @@ class Trainer:
                               cfg_scale_2=c.cfg_scale_2, distilled_guidance_scale=c.distilled_guidance_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
                               sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
-                              fps=c.fps,
+                              fps=c.fps, max_sequence_length=c.max_sequence_length,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 
     def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
