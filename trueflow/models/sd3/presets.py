@@ -79,9 +79,10 @@ def build_transformer(
         model = SD3Transformer2DModel(**config)
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
+            empty = torch.empty(p.shape, dtype=dtype, device=device)
+            mod.register_parameter(name, nn.Parameter(empty, p.requires_grad))
     init_weights_(model, seed, device)
-    for mod in model.modules():
-        for name, b in list(mod.named_buffers(recurse=False)):
-            mod.register_buffer(name, b.to(device=device, dtype=dtype), persistent=name not in mod._non_persistent_buffers_set)
+    for mod in model.modules():  # the position table (a buffer) as from_pretrained(dtype=...) loads it
+        for name in list(mod._buffers):
+            mod._buffers[name] = mod._buffers[name].to(device=device, dtype=dtype)
     return model.eval()

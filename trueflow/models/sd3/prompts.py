@@ -41,7 +41,8 @@ def load_text(root: str | Path, device: torch.device | str, dtype: torch.dtype) 
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
     root = Path(root)
-    tokenizers = (CLIPTokenizer.from_pretrained(root / "tokenizer"), CLIPTokenizer.from_pretrained(root / "tokenizer_2"),
+    tokenizers = (CLIPTokenizer.from_pretrained(root / "tokenizer"),
+                  CLIPTokenizer.from_pretrained(root / "tokenizer_2"),
                   T5TokenizerFast.from_pretrained(root / "tokenizer_3"))
     encoders = TextModule(CLIPTextModelWithProjection.from_pretrained(root / "text_encoder", dtype=dtype),
                           CLIPTextModelWithProjection.from_pretrained(root / "text_encoder_2", dtype=dtype),

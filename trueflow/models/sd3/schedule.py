@@ -23,7 +23,8 @@ def sd3_schedule(scheduler_config: dict, num_steps: int, image_seq_len: int,
     kwargs = {}
     if scheduler.config.get("use_dynamic_shifting", None):
         c = scheduler.config
-        kwargs["mu"] = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                       c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        kwargs["mu"] = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256),
+                                       c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                                       c.get("max_shift", 1.16))
     timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, sigmas=None, **kwargs)
     return scheduler.sigmas, timesteps
