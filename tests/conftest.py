@@ -83,6 +83,14 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def sd3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny SD3.5 pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.checkpoints import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("sd3") / "tiny", family="sd3")
+
+
 # LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to
 # the video ones only when None, and the pipeline's audio defaults are 7 / 1 / 3 / 0.7.
 LTX2_UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
@@ -173,8 +181,8 @@ class LoraMasters:
 
 
 def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dict:
-    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3) as written, on step `t` of
-    microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
+    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3, 2: SD3) as written, on step
+    `t` of microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
     import contextlib
     import io
     import json

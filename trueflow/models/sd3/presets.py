@@ -46,7 +46,7 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
         "num_layers": 3,
         "attention_head_dim": 32,
         "num_attention_heads": 2,
-        "joint_attention_dim": 32,
+        "joint_attention_dim": 48,  # T5's width: wider than CLIP L + G (16 + 16), so the pipeline pads them
         "caption_projection_dim": 64,
         "pooled_projection_dim": 32,
         "pos_embed_max_size": 16,
