@@ -181,10 +181,11 @@ def test_weight_map_and_refusals(models):
     broken = {k: v for k, v in state.items() if k != "transformer_blocks.0.attn2.to_k.weight"}
     with pytest.raises(WeightLoadError, match=r"missing \(1\): transformer_blocks\.0\.attn2\.to_k\.weight"):
         build_engine_transformer(config, broken, "cpu", BF16, family="sd3")
-    for name, mod in ref.named_modules():
-        if isinstance(mod, torch.nn.Linear) and (any(name.endswith("." + t) for t in LORA_TARGETS) or ".attn2." in name):
-            engine, slot = map_module_name(name)
-            assert diffusers_module_name(engine, slot) == name
+    linears = [name for name, mod in ref.named_modules() if isinstance(mod, torch.nn.Linear)]
+    for name in linears:  # every linear layer, so every LoRA target of any PEFT config, maps both ways
+        engine, slot = map_module_name(name)
+        assert diffusers_module_name(engine, slot) == name
+    assert any(name.endswith("." + t) for t in LORA_TARGETS for name in linears)
     for bad, match in (({"qk_norm": "layer_norm"}, "qk_norm 'layer_norm'"),
                        ({"caption_projection_dim": 32}, "caption_projection_dim 32 must equal the model width 64"),
                        ({"pos_embed_max_size": None}, "needs pos_embed_max_size")):
