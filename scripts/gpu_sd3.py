@@ -92,11 +92,15 @@ def parity(probe: ParityProbe, resolutions: list[int], device: str, ablate: bool
 
 # -- speed ---------------------------------------------------------------------------------------------------------
 def _guided_step(forward: Callable, inp: dict, negative: dict, noise: torch.Tensor) -> Callable[[], tuple]:
-    """One guided step: the family's batched CFG forward, then a flow-GRPO SDE step (sigma 0.8 -> 0.7)."""
+    """One guided step: the family's batched CFG forward, then a flow-GRPO SDE step (sigma 0.8 -> 0.7; the sigmas
+    are device tensors made here, so a CUDA-graph capture of the step copies nothing from the host)."""
+    x = inp["hidden_states"]
+    sigma, sigma_next, sigma_1 = (torch.tensor(s, dtype=torch.float32, device=x.device) for s in (0.8, 0.7, 0.9))
+
     def step() -> tuple:
-        v = guide(FAMILY.guidance, forward, inp["hidden_states"], inp["timestep"], inp["cond"], negative, CFG,
+        v = guide(FAMILY.guidance, forward, x, inp["timestep"], inp["cond"], negative, CFG,
                   FAMILY.pipeline.text_streams).output
-        s = sde_step(inp["hidden_states"], v, 0.8, 0.7, 0.9, 0.7, noise, inp["hidden_states"].dtype)
+        s = sde_step(x, v, sigma, sigma_next, sigma_1, 0.7, noise, x.dtype)
         return v, s.x_next
 
     return step
