@@ -333,7 +333,7 @@ def test_the_kept_copy_on_two_fsdp_ranks(tiny_checkpoint, tmp_path):
     import sys
 
     from test_train import cli_flags
-    from trueflow.train.dist import free_port
+    from trueflow.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

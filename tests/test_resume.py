@@ -1,16 +1,20 @@
 """A run killed with SIGKILL — at a random moment, and in the middle of a checkpoint write — and resumed gives the
 same metrics, bit for bit, as an uninterrupted run (wall-clock times aside); the killed run's lock is taken over as
-stale and its temporary folder removed. A --resume with nothing to continue is refused; --resume auto starts over."""
+stale and its temporary folder removed. A --resume with nothing to continue is refused; --resume auto starts over.
+An engine that dies under a run — its process, a tensor-parallel rank, its server — stops it in one line within
+5 s, and the run resumes exactly; every one of those runs listens on loopback only."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,8 @@ from trueflow.train.lock import LOCK_FILE
 from trueflow.train.metrics import TIMING_KEYS, read_metrics
 
 from test_train_errors import assert_one_line_error
+from conftest import assert_loopback_only, process_tree, watch_listeners
+from test_server import serve_subprocess
 
 SETTINGS = ["--num-rollouts", "3", "--steps", "3", "--num-sde-steps", "1", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "4", "--save-every", "1", "--sample-every", "0"]
@@ -113,3 +119,65 @@ def test_resume_without_a_checkpoint_is_refused_and_auto_starts_over(tiny_checkp
     assert_one_line_error(rc, capsys.readouterr().err, f"--resume: no folder {tmp_path / 'nowhere'} to continue")
     assert not (tmp_path / "nowhere").exists()
     _resume_and_compare(tiny_checkpoint, out, reference, "--resume", "auto")
+
+
+def _engine_processes(pid: int) -> list[int]:
+    """The engine processes (multiprocessing's spawned children) of the run `pid`, in pid order."""
+    return sorted(p for p in process_tree(pid) - {pid}
+                  if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
+
+
+def _kill_after_first_checkpoint(cmd: list[str], out: Path, victim, env: dict | None = None) -> tuple[str, float]:
+    """Run `cmd`, watching the sockets its processes listen on (all on loopback), until the first checkpoint;
+    SIGKILL `victim(run's pid)` then; (the run's stderr, the seconds it took to exit after the kill)."""
+    proc = subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = watch_listeners(proc, lambda: (out / "checkpoints" / "latest").exists())
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert_loopback_only(seen)
+        os.kill(victim(proc.pid), signal.SIGKILL)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        return err, time.monotonic() - start
+    finally:
+        proc.kill()
+
+
+def _one_line(err: str, says: str) -> None:
+    """The run's failure is one line naming what died and the way on, and no traceback (above it: the progress
+    bars and warnings of the run)."""
+    mark = "trueflow train: error:"  # it may follow a progress bar's unfinished line
+    errors = [line[line.index(mark):] for line in err.splitlines() if mark in line]
+    assert len(errors) == 1 and says in errors[0] and "--resume continues from" in errors[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_dead_engine_process_is_one_line_and_the_run_resumes_exactly(tiny_checkpoint, tmp_path, reference):
+    """`--engine-process`: the trainer and its engine process listen on loopback only; the engine SIGKILLed after
+    the first checkpoint stops the run in one line within 5 s, and the run resumes bit for bit."""
+    out = tmp_path / "run"
+    err, took = _kill_after_first_checkpoint(_cmd(tiny_checkpoint, out, "--engine-process"), out,
+                                             lambda pid: _engine_processes(pid)[0])
+    _one_line(err, "the engine process died (exit code -9)")
+    assert took < 5.0
+    _resume_and_compare(tiny_checkpoint, out, reference)
+
+
+def test_a_dead_tp_rank_is_one_line(tiny_checkpoint, tmp_path):
+    """`--engine-process --tp 2`: the trainer and both ranks listen on loopback only; a rank SIGKILLed stops the
+    run in one line within 5 s (the other rank, left in a collective, is killed, not waited for)."""
+    out = tmp_path / "run"
+    cmd = _cmd(tiny_checkpoint, out, "--engine-process", "--tp", "2")
+    err, took = _kill_after_first_checkpoint(cmd, out, lambda pid: _engine_processes(pid)[-1])
+    _one_line(err, "of 2 died (exit code -9)")
+    assert re.search(r"engine rank [01] of 2 died", err) and took < 5.0
+
+
+def test_a_server_that_goes_away_is_one_line(tiny_checkpoint, tmp_path):
+    """`--engine-url`: the server SIGKILLed after the first checkpoint stops the run in one line within 5 s."""
+    out = tmp_path / "run"
+    with serve_subprocess(tiny_checkpoint, "--patch-group", "qwen_image", "--threads", "1") as (url, server):
+        err, took = _kill_after_first_checkpoint(_cmd(tiny_checkpoint, out, "--engine-url", url), out,
+                                                 lambda _pid: server.pid)
+    _one_line(err, f"the engine server at {url} is gone")
+    assert took < 5.0

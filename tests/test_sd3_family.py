@@ -80,7 +80,7 @@ def test_generate_writes_images_and_a_snapshot_diffusers_replays(sd3_checkpoint,
     for i in range(2):
         assert Image.open(out / f"{i:04d}.png").size == (64, 64)
     for t in (0, 1):
-        assert replay_snapshot_step(out / "s.safetensors", 0, t, script=2) == {
+        assert replay_snapshot_step(out / "s.safetensors", 0, t, script="replay_sd3_step.py") == {
             "microgroup": 0, "step": t, "bitwise_equal": True, "max_abs_diff": 0.0}
     # the failing side: the engine's fast numerics are not diffusers' (short text: this side needs no CLI)
     from trueflow.engine.engine import Engine
@@ -92,7 +92,7 @@ def test_generate_writes_images_and_a_snapshot_diffusers_replays(sd3_checkpoint,
     rollout = Engine(sd3_checkpoint).rollout(RolloutRequest(["a red apple"], 2, params, 0, decode=False,
                                                             record_snapshot=True))
     fast = save_snapshot(rollout, tmp_path / "off.safetensors")
-    assert replay_snapshot_step(fast, 0, 0, script=2)["bitwise_equal"] is False
+    assert replay_snapshot_step(fast, 0, 0, script="replay_sd3_step.py")["bitwise_equal"] is False
 
 
 def test_train_is_bitwise_at_every_step(sd3_checkpoint, tmp_path):
@@ -115,7 +115,8 @@ def test_train_is_bitwise_at_every_step(sd3_checkpoint, tmp_path):
     assert pooled.shape == (2, 32) and meta["microgroups"][0]["cfg_scales"] == [4.5] * 2
     # the first rollout ran before any update (PEFT's B = 0): diffusers' base transformer replays its SDE step
     assert replay_snapshot_step(run / "snapshots" / "rollout-00000.safetensors", 0,
-                                meta["microgroups"][0]["sde_steps"][0], script=2)["bitwise_equal"] is True
+                                meta["microgroups"][0]["sde_steps"][0],
+                                script="replay_sd3_step.py")["bitwise_equal"] is True
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -152,5 +153,5 @@ def test_bad_input_is_one_line(sd3_checkpoint, capsys, tmp_path):
         assert match in _one_line_error(capsys, *gen, *extra)
     assert "never reaches it; use native" in _one_line_error(capsys, "parity", "--checkpoint", ckpt, "--patch-group",
                                                              "sd3:_native_flash")
-    assert "takes at most 512 tokens" in _one_line_error(capsys, "train", "--checkpoint", ckpt, "--output-dir",
+    assert "sd3 takes at most 512 text tokens" in _one_line_error(capsys, "train", "--checkpoint", ckpt, "--output-dir",
                                                          str(tmp_path / "r"), "--max-sequence-length", "600")

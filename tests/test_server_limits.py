@@ -180,7 +180,7 @@ def test_limits_are_validated_and_the_flags_default_to_them(capsys):
     ("rollout", {"height": -32}, "positive multiple of 16"),
     ("rollout", {"width": True}, "'width' must be int, got bool"),
     ("rollout", {"seed": "0"}, "'seed' must be int, got str"),
-    ("rollout", {"negative_prompt": 5}, "'negative_prompt' must be str, got int"),
+    ("rollout", {"negative_prompt": 5}, "'negative_prompt' must be str or null, got int"),
     ("rollout", {"decode": 1}, "'decode' must be bool, got int"),
     ("rollout", {"cfg_scale": "4"}, "'cfg_scale' must be a finite float, got str"),
     ("rollout", {"cfg_scale": math.inf}, "'cfg_scale' must be a finite float"),

@@ -14,7 +14,7 @@ import torch
 
 from conftest import assert_matches_recorded_run
 from trueflow.train.config import ParityConditionWarning, TrainConfig, config_from_argv
-from trueflow.train.dist import free_port
+from trueflow.net import free_port
 from trueflow.train.lock import LOCK_FILE
 from trueflow.train.metrics import TIMING_KEYS, read_metrics
 from trueflow.train.run import run_training

@@ -100,6 +100,14 @@ def test_a_bad_settings_file_is_one_line(tmp_path, capsys, text, fragments):
     (["--fsdp-attention-backend", "bogus"], ("--fsdp-attention-backend bogus", "use _native_flash")),
     (["--patch-group", "bogus"], ("unknown patch group 'bogus'", "qwen_image")),
     (["--disable-patch", "bogus"], ("--disable-patch bogus: not a patch of group 'qwen_image'", "rms_norm")),
+    # every float in range: LTX-2.3's fps took 1e-30 and 1e308
+    (["--fps", "1e-30"], ("rollout.fps", "greater than or equal to 1")),
+    (["--fps", "1e308"], ("rollout.fps", "less than or equal to 1000")),
+    (["--noise-level", "1e300"], ("rollout.noise_level", "less than or equal to 100")),
+    (["--cfg-scale", "1e9"], ("rollout.cfg_scale", "less than or equal to 100")),
+    (["--lr", "3"], ("optim.lr", "less than or equal to 1")),
+    (["--clip-range", "1"], ("algorithm.clip_range", "less than 1")),
+    (["--max-grad-norm", "1e300"], ("optim.max_grad_norm", "less than or equal to 1000000")),
 ])
 def test_a_bad_flag_is_one_line(tmp_path, capsys, argv, fragments):
     rc, _, err = train(capsys, *argv, "--output-dir", str(tmp_path / "run"))
@@ -361,7 +369,7 @@ def test_a_resume_past_a_truncated_checkpoint_runs_on(saved_run, tmp_path, capsy
 def test_a_failing_reward_stops_every_rank(tiny_checkpoint, tmp_path):
     """Two FSDP ranks: the reward runs on rank 0 only, and its failure reaches rank 1, which would otherwise wait
     for the rollout forever."""
-    from trueflow.train.dist import free_port
+    from trueflow.net import free_port
 
     (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TRUEFLOW_TEST_REWARD": "nan",

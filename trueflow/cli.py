@@ -105,7 +105,10 @@ def _run_parity(a: argparse.Namespace) -> int:
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="diffusers pipeline folder")
     p.add_argument("--prompt", required=True, help="the prompt")
-    p.add_argument("--negative-prompt", default=" ", help="negative prompt of true CFG (default: ' ')")
+    p.add_argument("--negative-prompt", default=None, help="negative prompt of true CFG (default: the family's: ' ' "
+                   "for Qwen-Image, '' for SD3; none for FLUX.1, whose pipeline runs no CFG without one)")
+    p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens of the prompt: the pipeline's "
+                   "max_sequence_length (default: 512)")
     p.add_argument("--num-images", type=int, default=1, help="images of the prompt, run as one batch (default: 1)")
     add_sampling_options(p)
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels, a multiple of the family's "
@@ -136,7 +139,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                             cfg_scale_2=a.cfg_scale_2, distilled_guidance_scale=a.distilled_guidance_scale,
                             negative_prompt=a.negative_prompt, height=a.resolution, width=a.resolution,
-                            num_frames=a.num_frames, fps=a.fps)
+                            num_frames=a.num_frames, fps=a.fps, max_sequence_length=a.max_sequence_length)
     request = RolloutRequest([a.prompt], a.num_images, params, a.seed, record_snapshot=a.snapshot is not None)
     engine = build_engine(*_engine_placement(a, progress=sys.stderr.isatty()))
     try:
@@ -187,6 +190,7 @@ def _run_train(a: argparse.Namespace) -> int:
     if a.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from .engine.interface import EngineDied
     from .ray import RayRunError
     from .rewards.base import RewardError
     from .train.checkpoint import resume_point
@@ -201,6 +205,9 @@ def _run_train(a: argparse.Namespace) -> int:
             out = run_training(cfg)
     except RayRunError as e:  # an actor died or a rank failed: one line naming it
         print(f"trueflow train: error: {e}", file=sys.stderr)
+        return 1
+    except EngineDied as e:  # its process, a TP rank or its server: one line naming it
+        print(f"trueflow train: error: {e}; the run stopped; {resume_point(cfg.output_dir)}", file=sys.stderr)
         return 1
     except RewardError as e:  # the user's reward failed: the run stops, its last checkpoint (if any) intact
         raise ValueError(f"{e} (the run stopped; fix the reward; {resume_point(cfg.output_dir)}; or "

@@ -14,6 +14,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -149,6 +150,8 @@ def _split_term(term: str) -> tuple[str, float]:
         return target, 1.0
     if not _is_number(weight):
         raise ValueError(f"reward term {term!r}: weight {weight!r} is not a number")
+    if not math.isfinite(float(weight)):  # a NaN or inf weight would make every reward of the run NaN
+        raise ValueError(f"reward term {term!r}: weight {weight!r} must be a finite number")
     return target, float(weight)
 
 

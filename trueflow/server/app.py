@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine import wire
 from ..engine.sampling_params import SamplingParams, check_family_limits
-from ..engine.interface import RolloutEngine, RolloutRequest
+from ..engine.interface import EngineDied, RolloutEngine, RolloutRequest
 from ..engine.trajectory import Rollout
 from ..http import MSGPACK
 from ..models import get_family
@@ -28,7 +28,7 @@ from .bodies import FullByPath, FullUpdate, ImagesRequest, LoraByPath, LoraUpdat
     decode_body, read_body, validate
 from .errors import RequestError, error_body
 from .limits import Limits, TokenCounter
-from .weights import weights_request
+from .weights import TokenGate, weights_request
 from .worker import STUCK_GRACE_S, Worker
 
 _T = TypeVar("_T")
@@ -43,11 +43,13 @@ def png_b64(image: torch.Tensor) -> str:
 
 
 def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: int = 0,
-               weights_root: str | Path | None = None, threads: int | None = None) -> FastAPI:
+               weights_root: str | Path | None = None, threads: int | None = None,
+               token: str | None = None) -> FastAPI:
     """The server of `engine`: an engine interface whose `rollout` takes `should_stop` (an `Engine`, or an
     `EngineClient`, whose health says `tp`). `limits`: what one request may ask; `default_seed`: the seed of
     OpenAI-style requests that name none; `weights_root`: the folder path-based weight updates may read (None:
-    none); `threads`: the engine's intra-op CPU threads where another process runs it (None: read on the worker)."""
+    none); `threads`: the engine's intra-op CPU threads where another process runs it (None: read on the worker);
+    `token`: what every `/weights/*` request must bring (`server.weights.weights_token`; None: nothing)."""
     root = None if weights_root is None else Path(weights_root).resolve()
     if root is not None and not root.is_dir():
         raise FileNotFoundError(f"--weights-root {weights_root}: no such folder")
@@ -66,6 +68,8 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
 
     app = FastAPI(title="trueflow engine server", lifespan=lifespan)
     app.state.worker = worker
+    if token is not None:
+        app.add_middleware(TokenGate, token=token)
 
     async def refused(request: Request, e: RequestError) -> JSONResponse:
         return JSONResponse(error_body(request.url.path, str(e), e.status, e.param, e.code), e.status)
@@ -73,11 +77,16 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown route, wrong method
         return JSONResponse(error_body(request.url.path, e.detail, e.status_code), e.status_code)
 
+    async def engine_died(request: Request, e: EngineDied) -> JSONResponse:  # a rank's death: one line, 503
+        return JSONResponse(error_body(request.url.path, str(e), 503, code="engine_died"), 503)
+
     async def failed(request: Request, e: Exception) -> JSONResponse:
+        # One line; Starlette re-raises after this answer, and uvicorn logs the traceback.
         return JSONResponse(error_body(request.url.path, f"{type(e).__name__}: {e}", 500), 500)
 
     app.add_exception_handler(RequestError, refused)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(EngineDied, engine_died)
     app.add_exception_handler(Exception, failed)
 
     async def generation(request: Request, samples: int, params: SamplingParams, prompts: list[str],

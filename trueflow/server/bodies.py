@@ -35,7 +35,7 @@ class Sampling(Strict):
     cfg_scale: float = _D.cfg_scale
     cfg_scale_2: float | None = _D.cfg_scale_2
     distilled_guidance_scale: float | None = _D.distilled_guidance_scale
-    negative_prompt: str = _D.negative_prompt
+    negative_prompt: str | None = _D.negative_prompt  # None: the family's
     num_sde_steps: int | None = _D.num_sde_steps
     sde_window: tuple[StrictInt, StrictInt] | None = Field(_D.sde_window, strict=False)  # msgpack sends a list
     height: int = _D.height
@@ -82,7 +82,7 @@ class ImagesRequest(Strict):
     steps: int = _D.steps
     cfg_scale: float = _D.cfg_scale
     sampler: str = _D.sampler
-    negative_prompt: str = _D.negative_prompt
+    negative_prompt: str | None = _D.negative_prompt  # None: the family's
 
 
 class LoraUpdate(Strict):

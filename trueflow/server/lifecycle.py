@@ -4,12 +4,16 @@ down without orphans."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import types
 
 from ..engine.interface import RolloutEngine
+from ..http import server_config
 from ..placement import EngineSpec, Placement, build_engine
 from .app import create_app
 from .limits import Limits
+from .weights import TOKEN_ENV, weights_token
 from .worker import STUCK_GRACE_S, Worker
 
 
@@ -38,10 +42,15 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
 
     engine: RolloutEngine | None = None
     in_process = placement.kind == "local"
+    token = weights_token(host)
     try:
         engine = build_engine(spec, placement)
         # An engine in other processes runs `spec.threads`; an in-process one, whatever its worker thread has.
-        app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads)
+        app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads, token)
+        if token is not None:  # a token of its own is printed; the user's, set in the environment, is not
+            given = os.environ.get(TOKEN_ENV) == token
+            print(f"trueflow serve: the /weights/* routes take the token {'in ' + TOKEN_ENV if given else token} "
+                  f"(its clients, trueflow train too, send what {TOKEN_ENV} holds)", file=sys.stderr, flush=True)
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
@@ -53,8 +62,7 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
                 if not in_process:  # now, not after `run`: uvicorn then re-raises the signal, which ends us at once
                     await asyncio.to_thread(end_engine, engine, app.state.worker)
 
-        Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                              timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
+        Server(server_config(app, host, port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
     except KeyboardInterrupt:  # Ctrl-C while loading, or the SIGINT uvicorn re-raises once it has shut down
         pass
     finally:

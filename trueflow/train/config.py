@@ -19,6 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from ..engine.sampling_params import CFG_SCALE_MAX, FPS_MAX, FPS_MIN, NOISE_LEVEL_MAX  # a leaf: no torch
+
 if TYPE_CHECKING:
     from ..models.spec import ModelFamily
 
@@ -62,7 +64,7 @@ class TrainConfig(BaseModel):
     dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
     use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
     lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
-    lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0)
+    lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0, le=1e4)
     lora_target_modules: list[str] | None = _f(None, "LoRA target modules (default: the model family's)", "model",
                                                min_length=1)
     lora_experts: list[str] | None = _f(None, "the experts (pipeline components, e.g. transformer_2) whose LoRA is "
@@ -82,43 +84,47 @@ class TrainConfig(BaseModel):
                                       "microgroup_size", ge=1)
     steps: int = _f(6, "denoising steps", "rollout", ge=1)
     sampler: Literal["sde", "cps"] = _f("sde", "sde or cps (ode has no log-probs to train on)", "rollout")
-    noise_level: float = _f(0.7, "SDE/CPS noise level a", "rollout", gt=0)
+    noise_level: float = _f(0.7, "SDE/CPS noise level a", "rollout", gt=0, le=NOISE_LEVEL_MAX)
     num_sde_steps: int | None = _f(None, f"stochastic (and trained) steps per trajectory, in one window (default: "
                                          f"{DEFAULT_NUM_SDE_STEPS}, or steps if fewer)", "rollout", ge=1)
     sde_window: tuple[int, int] | None = _f(None, "half-open step range [lo, hi] the SDE window lies in "
                                                   "(default: all steps)", "rollout")
-    cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1)
+    cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1, le=CFG_SCALE_MAX)
     cfg_scale_2: float | None = _f(None, "CFG scale of the experts after the first (Wan2.2's guidance_scale_2; "
-                                         "default: --cfg-scale)", "rollout", ge=1)
+                                         "default: --cfg-scale)", "rollout", ge=1, le=CFG_SCALE_MAX)
     distilled_guidance_scale: float | None = _f(None, "a guidance-distilled model's scale input (FLUX.1-dev's "
-                                                      "guidance_scale; default: the family's)", "rollout")
-    negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
-    max_sequence_length: int = _f(512, "text tokens the family's text encoder pads or truncates prompts to (at most "
-                                       "the family's window: SD3's T5 takes 512)", "rollout", ge=1)
+                                                      "guidance_scale; default: the family's)", "rollout", ge=0,
+                                                le=CFG_SCALE_MAX)
+    negative_prompt: str | None = _f(None, "negative prompt of the CFG branch (default: the family's: ' ' for "
+                                           "Qwen-Image, '' for SD3; none for FLUX.1, whose pipeline runs no CFG "
+                                           "without one)", "rollout")
+    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 and "
+                                       "SD3 pad T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
                          ge=1)
     fps: float = _f(24.0, "a video's frame rate, which a video family conditions on (images ignore it)", "rollout",
-                    gt=0, allow_inf_nan=False)
+                    ge=FPS_MIN, le=FPS_MAX)
     rollout_patch_group: str | None = _f(None, "the engine's patch group (default: the model family's)", "rollout",
                                          "patch_group")
     disable_patch: list[str] = _f([], "switch one patch of the group off (repeatable)", "rollout")
     lora_merge_mode: Literal["unmerged", "merged"] = _f("unmerged", "how the engine takes LoRA updates", "rollout")
     # algorithm
     num_steps_per_rollout: int = _f(1, "optimizer steps per rollout; only the first is on-policy", "algorithm", ge=1)
-    clip_range: float = _f(1e-4, "PPO clip range", "algorithm", gt=0)
-    adv_clip_max: float = _f(5.0, "advantages are clipped to ±this", "algorithm", gt=0)
+    # PPO clips the ratio to [1 - clip_range, 1 + clip_range]: from 1 on, the lower bound is no bound.
+    clip_range: float = _f(1e-4, "PPO clip range", "algorithm", gt=0, lt=1)
+    adv_clip_max: float = _f(5.0, "advantages are clipped to ±this", "algorithm", gt=0, le=100)
     global_std: bool = _f(False, "normalise advantages by the std of all rewards instead of each group's",
                           "algorithm")
-    kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base", "algorithm", ge=0)
+    kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base", "algorithm", ge=0, le=100)
     algorithm: Literal["grpo", "nft"] = _f("grpo", "grpo (PPO-clip on the sampler's log-probs) or nft "
                                                    "(DiffusionNFT: KL- and CFG-free, needs --cfg-scale 1)", "algorithm",
                                            "name")
     ratio_norm: Literal["none", "grpo_guard"] = _f("none", "grpo_guard: GRPO-Guard's RatioNorm and 1/dt step "
                                                            "reweighting (sde sampler only)", "algorithm")
     nft_beta: float = _f(1.0, "DiffusionNFT's beta: how far the implicit policies lie from the old one",
-                         "algorithm", gt=0)
+                         "algorithm", gt=0, le=100)
     nft_adaptive_weight: bool = _f(True, "DiffusionNFT's self-normalised x0 loss weight (else plain velocity MSE)",
                                    "algorithm")
     parity_on_every_step: bool = _f(False, "measure the train/rollout mismatch on a rollout's later optimizer "
@@ -126,15 +132,16 @@ class TrainConfig(BaseModel):
                                            "forward per micro-batch); else those steps report it as null",
                                     "algorithm")
     # optim
-    lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0)
-    weight_decay: float = _f(0.0, "AdamW weight decay", "optim", ge=0)
+    # AdamW's decoupled decay scales a weight by 1 - lr·weight_decay: both at most 1 keep it in [0, 1].
+    lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0, le=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay", "optim", ge=0, le=1)
     lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule over the run's "
                                                                           "optimizer steps, after the warmup",
                                                               "optim")
     lr_warmup_steps: int = _f(0, "optimizer steps of linear warmup from 0", "optim", ge=0)
     ema_decay: float = _f(0.0, "EMA of the LoRA (0: off); checkpoints keep it and sample grids show it too",
                           "optim", ge=0, lt=1)
-    max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0, le=1e6)
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
     device: str = _f("cpu", "torch device", "parallel")
@@ -332,8 +339,8 @@ class TrainConfig(BaseModel):
         return get_family(self.family) if self.family is not None else default_family()
 
     def fill_family_defaults(self) -> "ModelFamily":
-        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group) to the
-        family's values, so that a run records them; returns the family."""
+        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group, negative
+        prompt) to the family's values, so that a run records them; returns the family."""
         fam = self.model_family()
         if self.lora_target_modules is None:
             self.lora_target_modules = list(fam.train.lora_targets)
@@ -341,6 +348,8 @@ class TrainConfig(BaseModel):
             self.fsdp_attention_backend = fam.train.parity_backend
         if self.rollout_patch_group is None:
             self.rollout_patch_group = next(iter(fam.patch_groups))
+        if self.negative_prompt is None:  # stays None where the family's pipeline has none (FLUX.1)
+            self.negative_prompt = fam.guidance.negative_prompt
         return fam
 
     def validate(self) -> None:
@@ -350,16 +359,17 @@ class TrainConfig(BaseModel):
         import torch
         from diffusers.models.attention_dispatch import AttentionBackendName
 
-        from ..engine.guidance import check_guidance
+        from ..engine.guidance import check_guidance, check_negative_prompt
         from ..patches import get_group
         from .metrics import require_wandb
 
         fam = self.fill_family_defaults()
-        if self.max_sequence_length > fam.pipeline.max_text_tokens:
-            raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name}'s text encoder takes "
-                             f"at most {fam.pipeline.max_text_tokens} tokens")
         # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
         check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
+        check_negative_prompt(fam.name, fam.guidance, self.cfg_scale, self.negative_prompt)
+        if not self.max_sequence_length <= fam.pipeline.max_text_tokens:
+            raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name} takes at most "
+                             f"{fam.pipeline.max_text_tokens} text tokens")
         if self.wandb:
             require_wandb()
         try:
@@ -475,7 +485,7 @@ RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_eve
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:

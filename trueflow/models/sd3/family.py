@@ -87,6 +87,7 @@ FAMILY = ModelFamily(
     ),
     # StableDiffusion3Pipeline.__call__: `torch.cat([latents] * 2)` with `torch.cat([negative, positive])` prompt
     # embeddings and pooled projections, `t.expand(2B)`, then `uncond + guidance_scale · (text − uncond)` on
-    # `noise_pred.chunk(2)`: one batched forward, plain CFG.
-    guidance=Guidance("batched", plain_cfg),
+    # `noise_pred.chunk(2)`: one batched forward, plain CFG. Its default negative prompt is "" (encode_prompt:
+    # `negative_prompt = negative_prompt or ""`; flow_grpo's train_sd3.py encodes [""] too).
+    guidance=Guidance("batched", plain_cfg, negative_prompt=""),
 )
