@@ -210,7 +210,10 @@ def test_the_gpu_script_smoke_path(tmp_path):
                         "--text-len", "8", "--lora-rank", "4", "--warmup", "1", "--reps", "1", "--no-ablate",
                         "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["parts"] == ["parity", "speed"]  # each a 10-minute slot of its own on the GPU (--parts)
     assert report["ok"] and [r["bitwise_equal"] for r in report["parity"]["rows"]] == [True, True, True, False]
     rows = {r["row"]: r for r in report["speed"]}
     assert set(rows) == {"diffusers_eager", "engine_parity", "engine_fast"}
     assert rows["engine_parity"]["max_abs_diff"] == 0.0 and rows["engine_fast"]["max_abs_diff"] > 0
+    with pytest.raises(SystemExit, match="2"):
+        script.main(["--parts", "parity,bogus", "--out", str(out)])

@@ -63,7 +63,7 @@ def run_pipeline(pipe: StableDiffusion3Pipeline):
 
     pipe.scheduler.step = recording_step
     try:
-        out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, num_images_per_prompt=N, generator=_generators(),
+        out = pipe(prompt=PROMPT, num_images_per_prompt=N, generator=_generators(),
                    num_inference_steps=STEPS, guidance_scale=SCALE, height=SIZE, width=SIZE,
                    max_sequence_length=TEXT_LEN, output_type="np")
     finally:
@@ -79,10 +79,10 @@ def recorded(pipe):
 
 
 def _rollout(checkpoint, group: str):
-    params = SamplingParams(steps=STEPS, sampler="ode", cfg_scale=SCALE, negative_prompt=NEGATIVE, height=SIZE,
-                            width=SIZE, max_sequence_length=TEXT_LEN, rollout_microgroup_size=N)
+    params = SamplingParams(steps=STEPS, sampler="ode", cfg_scale=SCALE, height=SIZE, width=SIZE,
+                            max_sequence_length=TEXT_LEN, rollout_microgroup_size=N)
     engine = Engine(checkpoint, patch_group=group)
-    return engine.rollout(RolloutRequest([PROMPT], N, params, SEED, decode=False, record_snapshot=True)).microgroups[0]
+    return engine.rollout(RolloutRequest([PROMPT], N, params, SEED, decode=False, record_snapshot=True))
 
 
 def test_prompts_bitwise(pipe, sd3_checkpoint):
@@ -141,11 +141,14 @@ def test_noise_and_packing_are_the_pipelines(pipe):
 
 
 def test_the_batched_cfg_step_is_the_pipelines_own_call(sd3_checkpoint, recorded):
-    """The engine's rollout (ODE, CFG 4.5, the pipeline's defaults otherwise) against `StableDiffusion3Pipeline.
-    __call__` on the same generators: each step's ONE transformer call of `[negative × B, positive × B]`, each
-    guided `noise_pred`, and the final latents, bit for bit; without the patch group they differ."""
+    """The engine's rollout (ODE, CFG 4.5, the pipeline's defaults otherwise: the family's negative prompt against
+    the pipeline's own) against `StableDiffusion3Pipeline.__call__` on the same generators: each step's ONE
+    transformer call of `[negative × B, positive × B]`, each guided `noise_pred`, and the final latents, bit for bit;
+    without the patch group they differ."""
     calls, guided, final, _ = recorded
-    mg = _rollout(sd3_checkpoint, "sd3")
+    rollout = _rollout(sd3_checkpoint, "sd3")
+    assert rollout.params.negative_prompt == ""  # the engine records the prompt it ran: the pipeline's default
+    mg = rollout.microgroups[0]
     assert mg.negative_cond is not None and len(mg.records) == STEPS
     for i, call in enumerate(calls):
         x = unpack_latents(mg.latents[i], GRID)
@@ -157,7 +160,7 @@ def test_the_batched_cfg_step_is_the_pipelines_own_call(sd3_checkpoint, recorded
         assert_bitwise(mg.records[i].positive_output, text, f"step {i}: the positive chunk")
         assert_bitwise(mg.records[i].guided_output, pack_latents(guided[i]), f"step {i}: the guided noise_pred")
     assert_bitwise(mg.latents[-1], pack_latents(final), "final latents")
-    assert_differs(_rollout(sd3_checkpoint, "none").latents[-1], pack_latents(final), "the fast engine")
+    assert_differs(_rollout(sd3_checkpoint, "none").microgroups[0].latents[-1], pack_latents(final), "the fast engine")
 
 
 def test_decoder_bitwise(sd3_checkpoint, recorded):
