@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync")  # vary run to run
+# vary run to run (time_wait: how long an --async-rollouts step waited for its rollout)
+TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "time_wait")
 
 
 @dataclass(frozen=True)
