@@ -184,7 +184,7 @@ class Trainer:
                               cfg_scale_2=c.cfg_scale_2, distilled_guidance_scale=c.distilled_guidance_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
                               sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
-                              fps=c.fps,
+                              fps=c.fps, max_sequence_length=c.max_sequence_length,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 
     def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
@@ -353,7 +353,8 @@ class Trainer:
                     if behaviour is not None:
                         record |= behaviour.record()
                     self.metrics.write(record)
-                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"),
+                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
+                                    kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
                                     diff=_show(record["model_output_max_abs_diff"], ".1e"),
                                     ratio=_show(record["policy_ratio_mean"], ".6f"))
             self.state.rollout += 1
@@ -380,7 +381,7 @@ class Trainer:
         """The rollout's grid; with an EMA also the EMA weights' grid (same prompts, seed and sampling), which the
         engine draws with the EMA swapped in, then the live weights back (the next rollout and parity need them)."""
         if self.ctx.is_main:
-            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png", self.cfg.reward)
         if self.ema is None:
             return
         state = self.ema.full_state(self.dtype)  # a collective: every rank takes part
@@ -388,7 +389,7 @@ class Trainer:
             self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
             ema_rollout = self.engine.rollout(RolloutRequest(rollout.prompts, rollout.n_per_prompt, rollout.params,
                                                              rollout.seed, rollout.first_prompt))
-            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png")
+            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png", self.cfg.reward)
         self._sync()
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
