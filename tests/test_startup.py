@@ -75,7 +75,7 @@ def test_mistakes_are_refused_before_anything_heavy_loads(tiny_checkpoint, ltx2_
         ["train", "--checkpoint", q, "--prompts", nowhere],
         ["train", "--checkpoint", nowhere],
         ["train", "--config", nowhere],
-        ["init-checkpoint", "--family", "flux", "--output-dir", str(tmp_path / "new")],
+        ["init-checkpoint", "--family", "nosuch", "--output-dir", str(tmp_path / "new")],
         ["patches", "--family", "ltx2", "--patch-group", "qwen_image"],
         ["reward", "--reward", "redness", "--image", nowhere, "--prompt", "p"],
         ["reward", "--reward", "redness", "--image", str(run / "metrics.jsonl"), "--prompt", "p"],
