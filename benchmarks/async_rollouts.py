@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -103,6 +104,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
     finally:
         engine.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # the runs' folders and the tiny checkpoint
     result["load_after"] = os.getloadavg()
     rep = result["repeats"]
     summary = {}
