@@ -7,7 +7,9 @@ Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
   pytorch_lora_weights_ema.safetensors  with --ema-decay: the EMA of the LoRA, same format
                                     (`load_lora_weights(dir, weight_name="pytorch_lora_weights_ema.safetensors")`)
   adapter_config.json               rank, alpha, target modules (PEFT's LoraConfig)
-  optimizer.pt                      the optimizer's full (unsharded) state dict, the lr scheduler's, the RNG states
+  optimizer.pt                      the optimizer's full (unsharded) state dict, the lr scheduler's, the RNG states;
+                                    with --async-rollouts also the LoRA masters (fp32) of the weight versions that
+                                    make the rollouts in flight (`train.async_rollouts`)
   trainer_state.json                step, rollout, metrics lines written, RNG states, settings
   COMPLETE                          written last; a folder without it is ignored on resume
 A family of several experts (Wan2.2-A14B: `transformer`, `transformer_2`) writes the first expert's LoRA as above
@@ -101,18 +103,19 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[str, torch.Tensor],
                     adapter_config: dict, optimizer_state: dict, trainer_state: dict, scheduler: dict | None = None,
                     ema: dict[str, torch.Tensor] | None = None, experts: Sequence[str] = ("transformer",),
-                    keep: int = 0) -> Path:
+                    keep: int = 0, extra_state: dict | None = None) -> Path:
     """Rank 0 only. The LoRA files are written by the family's diffusers pipeline class. `scheduler`: the lr
     scheduler's state dict; `ema`: the EMA of the LoRA (fp32); `experts`: the checkpoint's experts, in order (the
     LoRA's names are `spec.expert_prefix`ed: each trained expert gets its own files); `keep` > 0: prune all but the
-    `keep` newest complete checkpoints (`prune`). Returns the checkpoint folder. Any write error (a full disk) raises
+    `keep` newest complete checkpoints (`prune`); `extra_state`: more entries of optimizer.pt (tensors and plain
+    values). Returns the checkpoint folder. Any write error (a full disk) raises
     CheckpointWriteError with the folder as it was before the call: no temporary folder left, the previous
     checkpoints untouched."""
     ckpts = root / "checkpoints"
     final = ckpts / f"step-{step:06d}"
     tmp = ckpts / f"{TMP_PREFIX}step-{step:06d}"
     remove_leftovers(ckpts)  # a killed or failed save's temporary folder would hold its share of the disk
-    extra = {"optimizer": optimizer_state, "rng": rng_state()}
+    extra = {"optimizer": optimizer_state, "rng": rng_state(), **(extra_state or {})}
     if scheduler is not None:
         extra["scheduler"] = scheduler
     renamed, failure = False, None
@@ -286,10 +289,11 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] 
 
 def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str, torch.nn.Module],
                   optimizer: torch.optim.Optimizer, scheduler, ema: LoraEMA | None, lora_spec: LoraSpec, step: int,
-                  rollout: int, metrics_lines: int | None, config: dict) -> None:
+                  rollout: int, metrics_lines: int | None, config: dict, extra_state: dict | None = None) -> None:
     """A training checkpoint at `step`: the LoRA of `models` (expert name -> policy, in order), `optimizer`, the
-    lr `scheduler`, the `ema`, the RNGs and the trainer state (`rollout`s done, `metrics_lines` written, the
-    settings). Every rank takes part (the full states are collectives); rank 0 writes."""
+    lr `scheduler`, the `ema`, the RNGs, the trainer state (`rollout`s done, `metrics_lines` written, the
+    settings) and `extra_state` (unsharded; `load_checkpoint` gives it back in its extra). Every rank takes part
+    (the full states are collectives); rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     lora = lora_full_state(models)
@@ -306,7 +310,7 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
         try:
             save_checkpoint(family, root, step, lora, lora_spec.peft_config().to_dict(), optim, trainer_state,
                             scheduler=scheduler.state_dict(), ema=ema_state, experts=experts,
-                            keep=config.get("keep_checkpoints") or 0)
+                            keep=config.get("keep_checkpoints") or 0, extra_state=extra_state)
         except CheckpointWriteError as e:
             failure = str(e)
     if ctx.world > 1:  # also the barrier: no rank runs on past a checkpoint that rank 0 could not write

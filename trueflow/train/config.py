@@ -133,6 +133,12 @@ class TrainConfig(BaseModel):
                                            "steps too, against a kept copy of the rolled-out LoRA (an extra "
                                            "forward per micro-batch); else those steps report it as null",
                                     "algorithm")
+    async_rollouts: int = _f(0, "roll out N rollouts ahead of training (1: one step off): rollout k is made with "
+                                "the weights of step k - N while the trainer trains, and trained with the decoupled "
+                                "PPO objective; needs the engine outside the trainer's process (0: synchronous)",
+                             "algorithm", ge=0, le=64)
+    async_is_cap: float = _f(2.0, "--async-rollouts: the cap of the behaviour importance weight min(cap, pi/mu) "
+                                  "(V-trace's rho-bar)", "algorithm", ge=1, le=1e6)
     # optim
     # AdamW's decoupled decay scales a weight by 1 - lr·weight_decay: both at most 1 keep it in [0, 1].
     lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0, le=1)
@@ -294,10 +300,29 @@ class TrainConfig(BaseModel):
                 errors.append("--algorithm nft is KL-free: set --kl-beta 0")
             if self.ratio_norm != "none":
                 errors.append("--ratio-norm applies to --algorithm grpo (nft has no likelihood ratio)")
+        errors += self._async_errors()
         total = self.num_rollouts * self.num_steps_per_rollout
         if self.lr_warmup_steps and self.lr_warmup_steps >= total:
             errors.append(f"--lr-warmup-steps {self.lr_warmup_steps} must be less than the run's optimizer steps "
                           f"({total} = --num-rollouts x --num-steps-per-rollout)")
+        return errors
+
+    def _async_errors(self) -> list[str]:
+        n = self.async_rollouts
+        if not n:
+            return []
+        errors = []
+        if not (self.engine_process or self.engine_url or self.ray):
+            errors.append(f"--async-rollouts {n} overlaps the engine's rollout with training: run the engine outside "
+                          "the trainer's process (--engine-process, --engine-url or --ray); the in-process engine "
+                          "shares the trainer's process and devices")
+        if self.num_steps_per_rollout > 1:
+            errors.append(f"--async-rollouts {n} takes --num-steps-per-rollout 1: its proximal policy is the policy "
+                          "before the step, free on a rollout's one step (a later step would need another forward)")
+        if n > 1 and self.ray and (self.train_gpus or 1) > 1:
+            errors.append(f"--async-rollouts {n} with {self.train_gpus} disaggregated --ray trainer ranks: rank 0 "
+                          "broadcasts each update to every engine when it sends it, so one rollout at most may run "
+                          "ahead; use --async-rollouts 1")
         return errors
 
     def ray_ranks(self) -> tuple[int, int]:

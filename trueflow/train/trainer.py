@@ -6,7 +6,8 @@ with rewards), rolls out its contiguous share of the rollout's prompts, and trai
 rewards cross ranks (all-gathered before the group advantages), so no rollout is sent anywhere.
 
 Beside it: the train/rollout parity and the policy's change (`parity_monitor`), checkpoints (`checkpoint`), the
-metrics line of each optimizer step (`metrics`)."""
+metrics line of each optimizer step (`metrics`), and with `--async-rollouts` the rollouts made ahead of training
+(`async_rollouts`)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ from ..engine.interface import RolloutRequest
 from ..models import checkpoint_experts
 from ..rewards.base import RewardError
 from ..rl.advantages import group_advantages
+from ..rl.decoupled import decoupled_surrogate, proximal_ratio, truncated_is_weight
 from ..rl.grpo_guard import normalized_ratio, step_weight
 from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from . import checkpoint as ckpt
+from .async_rollouts import CHECKPOINT_KEY, AsyncRollouts, Behaviour, ImportanceWeights
 from .batch import TrainBatch, assemble, split_by_expert
 from .config import TrainConfig
 from .dist import DistContext, all_gather_object, all_reduce
@@ -104,6 +107,10 @@ class Trainer:
                 self.state = StepState(step=saved["step"], rollout=saved["rollout"])
                 self.saved_step = saved["step"]
                 keep = saved["metrics_lines"]
+        # With --async-rollouts, the rollouts in flight and the weight versions that make them (a resumed run's from
+        # its checkpoint); the first rollouts start with `run`.
+        self.ahead = AsyncRollouts(self, resumed[2].get(CHECKPOINT_KEY) if resumed else None) \
+            if cfg.async_rollouts else None
         wandb = WandbSettings(cfg.wandb_project, cfg.wandb_name, self.out, cfg.to_dict()) if cfg.wandb else None
         self.metrics = MetricsWriter(self.out / "metrics.jsonl",
                                      self.out / "tensorboard" if cfg.tensorboard else None,
@@ -130,20 +137,29 @@ class Trainer:
         count = self.cfg.rollout_batch_size // self.ctx.world
         return self.ctx.rank * count, count
 
-    def _rollout(self, index: int):
-        """This rank's share of rollout `index`, scored by its engine; the whole rollout's rewards (all ranks',
-        prompt-major), its dropped samples (global indices) and its times (the slowest rank's)."""
+    def _request(self, index: int) -> RolloutRequest:
+        """This rank's share of rollout `index`."""
         cfg = self.cfg
         prompts = [self.prompts[(index * cfg.rollout_batch_size + i) % len(self.prompts)]
                    for i in range(cfg.rollout_batch_size)]
         first, count = self._share()
-        request = RolloutRequest(prompts[first:first + count], cfg.n_samples_per_prompt, self.sampling_params(),
-                                 cfg.seed * 1_000_003 + index, first, record_snapshot=cfg.debug)
+        return RolloutRequest(prompts[first:first + count], cfg.n_samples_per_prompt, self.sampling_params(),
+                              cfg.seed * 1_000_003 + index, first, record_snapshot=cfg.debug)
+
+    def _rollout(self, index: int):
+        """This rank's share of rollout `index`, scored by its engine; the whole rollout's rewards (all ranks',
+        prompt-major), its dropped samples (global indices) and its times (the slowest rank's)."""
         rollout = failure = None
         try:
-            rollout = self.engine.rollout(request)
+            rollout = self.engine.rollout(self._request(index))
         except RewardError as e:  # every rank stops, not only the one whose reward failed
             failure = (e.reward, e.prompts, e.reason)
+        return self._gathered(index, rollout, failure)
+
+    def _gathered(self, index: int, rollout, failure: tuple | None):
+        """`_rollout`'s answer from this rank's rollout (or its reward's failure): a collective, every rank in step."""
+        cfg = self.cfg
+        _, count = self._share()
         shares = all_gather_object(failure if failure else (rollout.rewards.cpu(), rollout.dropped))
         failed = next((s for s in shares if isinstance(s[0], str)), None)
         if failed:
@@ -208,7 +224,14 @@ class Trainer:
             r = optimality(b.advantages, cfg.adv_clip_max)
             return nft_loss(guided, b.engine_guided, x0, noise, b.sigma, r, cfg.nft_beta,
                             cfg.nft_adaptive_weight).mean(), None
-        if cfg.ratio_norm == "grpo_guard":  # the rollout policy's mean, from its recorded guided output
+        if cfg.async_rollouts:  # the decoupled objective (`rl.decoupled`): the trust region around the policy
+            # before the step (π_prox, the current forward held fixed), the engine's log-prob (μ) in the weight
+            weight = step_weight(b.sigma_next - b.sigma) if cfg.ratio_norm == "grpo_guard" else None
+            ratio = normalized_ratio(log_prob, log_prob.detach(), mean, mean.detach(), std) if weight is not None \
+                else proximal_ratio(log_prob)
+            loss, stats = decoupled_surrogate(ratio, b.advantages, cfg.clip_range,
+                                              truncated_is_weight(log_prob, b.old_log_prob, cfg.async_is_cap), weight)
+        elif cfg.ratio_norm == "grpo_guard":  # the rollout policy's mean, from its recorded guided output
             with torch.no_grad():
                 _, old_mean, _ = self._log_prob(b, b.engine_guided)
             ratio = normalized_ratio(log_prob, b.old_log_prob, mean, old_mean, std)
@@ -218,9 +241,10 @@ class Trainer:
         return loss, stats.clip_frac
 
     def _train_step(self, rollout, advantages: torch.Tensor, step_in_rollout: int,
-                    kept: dict[str, torch.Tensor] | None) -> dict:
+                    kept: dict[str, torch.Tensor] | None, behaviour: Behaviour | None = None) -> dict:
         """One optimizer step on the rollout. `kept`: the LoRA masters the engine rolled out with, to measure the
-        mismatch on a later step (`parity_on_every_step`)."""
+        mismatch on a later step (`parity_on_every_step`) or on a stale rollout; `behaviour`: what made an
+        `--async-rollouts` rollout."""
         cfg, ctx = self.cfg, self.ctx
         sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
         samples = train_order(sizes, cfg.train_dp_split_mode)
@@ -236,8 +260,10 @@ class Trainer:
             guided = self._guided(b)
             return b, guided, self._log_prob(b, guided)[0]
 
-        parity = ParityMonitor(step_in_rollout, kept)
+        parity = ParityMonitor(step_in_rollout == 0 if behaviour is None else behaviour.kept is None, kept)
         parity.measure_rolled_out(self.named_params, batches, rolled_out_forward)
+        weights = ImportanceWeights(cfg.async_is_cap, cfg.clip_range) \
+            if behaviour is not None and cfg.algorithm == "grpo" else None
         sums = {"clipped": 0.0, "loss_sum": 0.0, "kl_sum": 0.0}
         for rows in batches:
             b = batch(rows)
@@ -257,6 +283,8 @@ class Trainer:
                 (loss / len(batches)).backward()
             with torch.no_grad():
                 parity.add(b, guided, log_prob)
+                if weights is not None:
+                    weights.add(log_prob, b.old_log_prob)
                 sums["clipped"] += (clip_frac or 0.0) * len(rows)
                 sums["loss_sum"] += loss.item()
                 sums["kl_sum"] += kl.item()
@@ -282,38 +310,60 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
             "lora_update_norm": update,
+            **(weights.reduce() if weights is not None else {}),
         }
 
     # -- the run -------------------------------------------------------------------------------------------------
     def run(self) -> None:
+        if self.ahead is None:
+            return self._loop()
+        try:
+            self.ahead.start()
+            self._loop()
+        finally:  # also when the run stops on an error: the rollout in flight stops, the thread ends
+            self.ahead.close()
+
+    def _loop(self) -> None:
         cfg = self.cfg
         bar = tqdm(total=cfg.num_rollouts, initial=self.state.rollout, unit="rollout", disable=not self.ctx.is_main,
                    desc="train")
         while self.state.rollout < cfg.num_rollouts:
             index = self.state.rollout
-            rollout, rewards, dropped, times = self._rollout(index)
+            if self.ahead is None:
+                (rollout, rewards, dropped, times), behaviour = self._rollout(index), None
+            else:
+                rollout, rewards, dropped, times, behaviour = self.ahead.next(index)
             # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
             scored = rewards[~torch.isnan(rewards)]
             first, count = self._share()
             n = cfg.n_samples_per_prompt
             advantages = group_advantages(rewards, n, cfg.adv_clip_max, cfg.global_std)[first * n:(first + count) * n]
-            kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout)
+            kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout) \
+                if behaviour is None else behaviour.kept
             for k in range(cfg.num_steps_per_rollout):
                 t0 = time.perf_counter()
-                m = self._train_step(rollout, advantages, k, kept)
+                m = self._train_step(rollout, advantages, k, kept, behaviour)
                 t1 = time.perf_counter()
-                sync = self._sync()
+                # Async: the sync that matters is the one that installed the rollout's weights; the next ones go
+                # with the rollouts they make.
+                sync = self._sync() if behaviour is None else behaviour.sync
                 self.state.step += 1
                 if self.ctx.is_main:
                     record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
+                    if behaviour is not None:
+                        record |= behaviour.record()
                     self.metrics.write(record)
                     bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
                                     kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
                                     diff=_show(record["model_output_max_abs_diff"], ".1e"),
                                     ratio=_show(record["policy_ratio_mean"], ".6f"))
             self.state.rollout += 1
+            if self.ahead is not None:
+                self.ahead.done(index)
             if cfg.sample_every and index % cfg.sample_every == 0:
-                self._write_samples(rollout, index)
+                # The EMA's grid takes the engine: async, once the rollouts queued so far are made.
+                with self.ahead.idle() if self.ahead is not None and self.ema is not None else nullcontext():
+                    self._write_samples(rollout, index)
             # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
             # first boundary at or after every `save_every` optimizer steps.
             steps_before = self.state.step - cfg.num_steps_per_rollout
@@ -346,7 +396,8 @@ class Trainer:
     def save(self) -> None:
         ckpt.save_training(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler, self.ema,
                            self.lora_spec, self.state.step, self.state.rollout,
-                           self.metrics.lines if self.metrics is not None else None, self.cfg.to_dict())
+                           self.metrics.lines if self.metrics is not None else None, self.cfg.to_dict(),
+                           self.ahead.checkpoint_state() if self.ahead is not None else None)
         self.saved_step = self.state.step
 
 
