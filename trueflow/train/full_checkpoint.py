@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -112,8 +113,9 @@ def save(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str,
         renamed = False
         try:
             torch.save({"rng": ckpt.rng_state(), "scheduler": scheduler.state_dict()}, tmp / STATE_FILE)
+            sizes = _sizes(tmp, list(models))
             trainer_state = {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config,
-                             "full": True, "world_size": ctx.world, "experts": list(models)}
+                             "full": True, "world_size": ctx.world, "experts": list(models), **sizes}
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
             (tmp / "COMPLETE").write_text("ok\n")
             _fsync_tree(tmp)
@@ -131,8 +133,21 @@ def save(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str,
     failure = all_gather_object(failure)[0]
     if failure is not None:
         raise ckpt.CheckpointWriteError(failure)
-    if ctx.is_main and config.get("keep_checkpoints"):
-        ckpt.prune(root, config["keep_checkpoints"])
+    if ctx.is_main:
+        print(f"checkpoint {final}: {sizes['size_bytes']:,} bytes ({sizes['dcp_bytes']:,} in the sharded state of "
+              f"{ctx.world} rank(s), {sizes['export_bytes']:,} in the bf16 diffusers export)", file=sys.stderr,
+              flush=True)
+        if config.get("keep_checkpoints"):
+            ckpt.prune(root, config["keep_checkpoints"])
+
+
+def _sizes(folder: Path, experts: list[str]) -> dict[str, int]:
+    """The bytes of a checkpoint's files (those written so far: all but trainer_state.json and COMPLETE, a few
+    hundred bytes): in all, its DCP shards and metadata, its diffusers export."""
+    size = lambda files: sum(f.stat().st_size for f in files if f.is_file())
+    export = size(folder / e / WEIGHTS_FILE for e in experts)
+    return {"size_bytes": size(folder.rglob("*")), "dcp_bytes": size((folder / DCP_DIR).rglob("*")),
+            "export_bytes": export}
 
 
 def _failure(ckpts: Path, final: Path, e: BaseException, needed: int) -> str:
