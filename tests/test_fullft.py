@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from trueflow.cli import main
+from trueflow.models import get_family
 from trueflow.net import free_port
 from trueflow.train.config import TrainConfig
 from trueflow.train.lock import LOCK_FILE
@@ -37,6 +38,7 @@ QWEN = dict(steps=3, num_sde_steps=1, rollout_batch_size=2, n_samples_per_prompt
 LTX = dict(num_frames=9, fps=12.0, resolution=64, steps=4, num_sde_steps=1, cfg_scale=1.0, rollout_batch_size=2,
            n_samples_per_prompt=4, rollout_microgroup_size=4, micro_batch_size_sample=4, sample_every=0,
            num_rollouts=2, save_every=0, use_lora=False, optimizer="adamw_bf16", ema_decay=0.9, ema_offload=True)
+# One rank: the engine in its own process (the full weights by shared-memory handles); 2 ranks: in each rank's.
 # Sums over shards or micro-batches that another world size adds in another order (docs/training.md).
 ORDER_DEPENDENT = ("grad_norm", "loss", "kl", "lora_update_norm")
 # diffusers' QwenImageTransformer2DModel.forward passes only the image stream of its last block to norm_out/proj_out
@@ -110,15 +112,18 @@ def ltx_one(ltx2_checkpoint, tmp_path_factory):
 
 # Both families in one torchrun: each `trueflow train` ends its process group, so the second one meets on a store
 # of its own (rank 0 hosts it on the second port) instead of torchrun's agent store.
+# (Guarded: an engine process is spawned, and spawn imports the main script again.)
 TWO_RUNS = """
 import json, os, sys
 from trueflow.cli import main
-for k, args in enumerate(json.loads(os.environ["FULLFT_RUNS"])):
-    if k:
-        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        os.environ["MASTER_PORT"] = os.environ["FULLFT_PORT"]
-    if main(args):
-        sys.exit(1)
+from trueflow.models import get_family
+if __name__ == "__main__":
+    for k, args in enumerate(json.loads(os.environ["FULLFT_RUNS"])):
+        if k:
+            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            os.environ["MASTER_PORT"] = os.environ["FULLFT_PORT"]
+        if main(args):
+            sys.exit(1)
 """
 
 
@@ -167,6 +172,7 @@ def finish(self, metadata, results):
     return real_finish(self, metadata, results)
 filesystem.FileSystemWriter.finish = finish
 from trueflow.cli import main
+from trueflow.models import get_family
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -247,3 +253,71 @@ def test_the_export_loads_in_diffusers_and_gives_the_engines_output(qwen_one, ti
                       **inputs["cond"])
     assert torch.equal(theirs, ours)
     assert not torch.equal(theirs, before), "the trained weights change the forward"
+
+
+# -- the optimizer ------------------------------------------------------------------------------------------------
+def test_lean_adamw_is_torch_adamw_up_to_its_moments_rounding():
+    """With fp32 moments LeanAdamW is torch's AdamW bit for bit (the oracle: torch's single-tensor AdamW); with
+    bf16 moments the update differs, by the moments' rounding only (relative 2^-9 each, so the weights stay close)."""
+    from trueflow.train.optim import LeanAdamW
+
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(64, generator=g), [torch.randn(64, generator=g) for _ in range(5)]
+
+    def run(make):
+        p = torch.nn.Parameter(start.clone())
+        opt = make([p])
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+        return p.detach()
+
+    theirs = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False))
+    assert torch.equal(run(lambda ps: LeanAdamW(ps, lr=1e-2, weight_decay=0.1, moment_dtype=torch.float32)), theirs)
+    lean = run(lambda ps: LeanAdamW(ps, lr=1e-2, weight_decay=0.1, moment_dtype=torch.bfloat16))
+    assert not torch.equal(lean, theirs) and torch.allclose(lean, theirs, atol=5 * 1e-2 * 2**-8)
+
+
+# -- the memory plan ----------------------------------------------------------------------------------------------
+def test_the_memory_plan_is_the_docs_table_and_refuses_what_cannot_fit(tiny_checkpoint, tmp_path, capsys):
+    from trueflow.train import memory
+
+    docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    assert f"<!-- memory-table -->\n{memory.table()}\n<!-- /memory-table -->" in docs, "regenerate the docs table"
+    # The formula, by hand: 1e9 weights (8e8 trained), 10 blocks of 3e7, width 1000, 2 x 20000 tokens, 4 ranks.
+    m = memory.Model(params=10**9, trained=8 * 10**8, unit=3 * 10**7, blocks=10, width=1000)
+    s = memory.Setting(rows=2, tokens=20000, ema=True)
+    sharded = (4 * 10**9 + (4 + 8 + 4) * 8 * 10**8) / 4  # masters; gradients, moments, EMA
+    gathered_and_engine = 2 * 2 * 3 * 10**7 + 2 * 8 * 10**8
+    train = sharded + gathered_and_engine + 2 * 20000 * 34 * 1000 * 10
+    assert memory.peak_bytes(m, s, 4) == train
+    ck = memory.Setting(rows=2, tokens=20000, ema=True, checkpointing=True)
+    assert memory.peak_bytes(m, ck, 4) == sharded + gathered_and_engine + 2 * 20000 * 1000 * (2 * 10 + 34)
+    sync = (4 * 10**9 + (8 + 4) * 8 * 10**8) / 64 + 2 * 2 * 8 * 10**8  # no gradients; two engine copies
+    assert memory.peak_bytes(m, memory.Setting(rows=1, tokens=1, ema=True), 64) == sync
+    assert memory.peak_bytes(m, memory.Setting(rows=1, tokens=1, ema=True, ema_offload=True, optimizer="adamw_bf16"),
+                             64) == sync - (4 + 4) * 8 * 10**8 / 64
+    assert memory.smallest_ranks(m, s, train / memory.USABLE) == 4 and memory.smallest_ranks(m, s, 1.0) is None
+    # trueflow train refuses, before it loads or creates anything: one line, the numbers and the fixes, exit 2.
+    out = tmp_path / "run"
+    assert main(argv(tiny_checkpoint, out, dict(use_lora=False, gpu_memory_gib=0.005))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not out.exists(), err
+    qwen = get_family("qwen_image")
+    need = memory.peak_bytes(memory.from_checkpoint(qwen, tiny_checkpoint),
+                             memory.Setting(rows=4, tokens=memory.sample_tokens(qwen, 64, 1)), 1)
+    assert f"need {need / memory.GIB:.3g} GiB per GPU on 1 rank(s)" in err and "--gradient-checkpointing" in err
+    assert "--optimizer adamw_bf16" in err and "over 90% of 0.005 GiB" in err
+
+
+# -- the GPU script -----------------------------------------------------------------------------------------------
+def test_the_gpu_script_runs_its_cpu_smoke_path(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    try:
+        import gpu_fullft
+    finally:
+        sys.path.pop(0)
+    results = gpu_fullft.main(["all", "--root", str(tmp_path), "--smoke"])
+    assert results["full"]["steps"] == 3 and results["full"]["bitwise_every_step"] and results["full"]["checksums_equal"]
+    assert results["full"]["images_per_gpu_s"] > 0 and results["lora"]["images_per_gpu_s"] > 0
+    assert results["resume"] == {"metrics_equal": True, "masters_equal": True, "export_equal": True}

@@ -6,7 +6,7 @@ and does every step's arithmetic in fp32, exactly as torch's single-tensor AdamW
 moments, rounding them back to bf16 after the step. The update it applies therefore differs from AdamW's only
 through the rounding of the stored moments: relative 2^-9 each, and a second moment that cannot move by less than
 half a bf16 step, so `exp_avg_sq·β2` with β2 = 0.999 rounds back to itself once the gradient is steady (the
-second moment then lags; docs/training.md measures the effect on a tiny run). With `moment_dtype=float32` it is
+second moment then lags: docs/training.md, Full-parameter training). With `moment_dtype=float32` it is
 torch's AdamW bit for bit (tests/test_fullft.py), which is what pins its arithmetic.
 
 (torchao's `AdamW8bit`, blockwise 8-bit moments with DTensor support, would halve the state again; it is not
