@@ -85,6 +85,14 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def flux_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny FLUX.1-dev pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.checkpoints import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("flux") / "tiny", family="flux")
+
+
 # LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to
 # the video ones only when None, and the pipeline's audio defaults are 7 / 1 / 3 / 0.7.
 LTX2_UNGUIDED = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
@@ -174,9 +182,10 @@ class LoraMasters:
             p.copy_(self.masters[n].to(p.dtype))
 
 
-def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dict:
-    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3) as written, on step `t` of
-    microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
+def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int | str = 0) -> dict:
+    """Run a replay script of docs/snapshot.md as written, on step `t` of microgroup `m`, in this process (so with
+    the test's thread count); returns the JSON line it prints. `script`: its index (0: Qwen-Image, 1: LTX-2.3) or its
+    file name, the first word of its docstring (e.g. "replay_flux_step.py")."""
     import contextlib
     import io
     import json
@@ -185,7 +194,8 @@ def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dic
     import sys
 
     doc = Path(__file__).parent.parent / "docs" / "snapshot.md"
-    code = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[script]
+    scripts = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    code = scripts[script] if isinstance(script, int) else next(s for s in scripts if s.startswith(f'"""{script} '))
     path = snapshot.parent / f"replay_step_{script}.py"
     path.write_text(code)
     argv, out = sys.argv, io.StringIO()

@@ -16,6 +16,7 @@ import json
 import math
 import struct
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from ..loading import CheckpointError
 from ..models import checkpoint_experts, family_for_checkpoint
 from ..sync.buckets import Bucket, unpack
 from . import weights
-from .guidance import distilled_entry
+from .guidance import distilled_entry, negative_prompt
 from .interface import RolloutRequest, StopCheck
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams, check_family_limits
@@ -161,6 +162,8 @@ class Engine:
                              f"docs/patch-group.md)")
         pipe = self.family.pipeline
         check_family_limits(params, self.family, len(self.experts))
+        # The negative prompt the CFG branch runs with (a request naming none takes the family's), recorded as run.
+        params = replace(params, negative_prompt=negative_prompt(self.family.guidance, params.negative_prompt))
         grid = pipe.latent_grid(params.height, params.width, params.num_frames)
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         negative = self._encode(params.negative_prompt, params) if params.cfg else None

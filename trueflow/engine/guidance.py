@@ -12,7 +12,9 @@ A family's `Guidance` says:
   its replay pass exactly what the engine passed;
 - `per_expert_scale`: every expert after the first takes `cfg_scale_2` (WanPipeline's `guidance_scale_2`,
   defaulting to the first scale). Which expert ran a step is recorded with the trajectory, never re-derived.
-A setting the family cannot take is refused in one line (`check_guidance`).
+- `negative_prompt`: the negative prompt of a request that names none (`negative_prompt`); None: the family's
+  pipeline has none by default and runs no CFG without one, so a CFG scale > 1 needs the request to name one.
+A setting the family cannot take is refused in one line (`check_guidance`, `check_negative_prompt`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,22 @@ def distilled_entry(guidance: Guidance, scale: float | None, device: torch.devic
         return {}
     value = guidance.distilled_default if scale is None else scale
     return {guidance.distilled_input: torch.full((), value, dtype=torch.float32, device=device)}
+
+
+def negative_prompt(guidance: Guidance, given: str | None) -> str | None:
+    """The negative prompt a request's CFG branch runs with: the one it names, else the family's (None: none)."""
+    return guidance.negative_prompt if given is None else given
+
+
+def check_negative_prompt(family: str, guidance: Guidance, cfg_scale: float, given: str | None) -> None:
+    """Refuse, in one line naming both fixes, CFG without a negative prompt on a family whose pipeline runs none
+    by default (FluxPipeline: `true_cfg_scale > 1` does nothing without `negative_prompt`)."""
+    if cfg_scale > 1 and guidance.takes_cfg and negative_prompt(guidance, given) is None:
+        distilled = (f"; its distilled guidance (--distilled-guidance-scale, default {guidance.distilled_default}) "
+                     f"guides without it" if guidance.distilled_input else "")
+        raise ValueError(f"{family} runs classifier-free guidance only with a negative prompt (its pipeline's "
+                         f"default is none): pass negative_prompt (--negative-prompt TEXT), or set cfg_scale "
+                         f"(--cfg-scale) to 1, got {cfg_scale}{distilled}")
 
 
 def check_guidance(family: str, guidance: Guidance, cfg_scale: float, cfg_scale_2: float | None,

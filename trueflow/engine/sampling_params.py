@@ -29,7 +29,7 @@ class SamplingParams:
     cfg_scale: float = 4.0  # true CFG when > 1 (as the pipeline: 1 runs the positive branch alone)
     cfg_scale_2: float | None = None  # a second expert's CFG scale (WanPipeline's guidance_scale_2); None: cfg_scale
     distilled_guidance_scale: float | None = None  # a guidance-distilled model's input (FLUX); None: its default
-    negative_prompt: str = " "
+    negative_prompt: str | None = None  # the CFG branch's; None: the family's (`Guidance.negative_prompt`)
     num_sde_steps: int | None = None  # stochastic steps per trajectory; None: every step (sde/cps)
     sde_window: tuple[int, int] | None = None  # half-open step range the window lies in; None: all steps
     height: int = 64
@@ -94,10 +94,11 @@ class SamplingParams:
 def check_family_limits(params: SamplingParams, family: ModelFamily, experts: int | None = None) -> None:
     """The image sizes, frame count, text length and guidance `family`'s pipeline takes (ValueError naming the
     rule); `experts`: the checkpoint's expert count, where known (a per-expert scale needs two)."""
-    from .guidance import check_guidance
+    from .guidance import check_guidance, check_negative_prompt
 
     check_guidance(family.name, family.guidance, params.cfg_scale, params.cfg_scale_2,
                    params.distilled_guidance_scale, experts)
+    check_negative_prompt(family.name, family.guidance, params.cfg_scale, params.negative_prompt)
     granule = family.pipeline.pixels_per_token
     for name in ("height", "width"):
         v = getattr(params, name)

@@ -153,13 +153,18 @@ class Guidance:
     `[B]` tensor, the pipeline's `full([1], guidance_scale).expand(B)`), recorded as a conditioning entry of both
     branches; `distilled_default` the pipeline's default scale. None: the family has no such input.
     `per_expert_scale`: every expert after the first may take its own scale (`cfg_scale_2`; WanPipeline's
-    `guidance_scale_2`, which defaults to `guidance_scale`)."""
+    `guidance_scale_2`, which defaults to `guidance_scale`).
+    `negative_prompt`: the negative prompt of a request that names none (`SamplingParams.negative_prompt` None):
+    trueflow's `" "` for Qwen-Image (its recipe's); None where the pipeline's default is no negative prompt and it
+    runs no CFG without one (FluxPipeline's true CFG needs `negative_prompt`): `cfg_scale > 1` is then refused
+    unless the request names one."""
 
     branches: Literal["separate", "batched", "none"]
     formula: GuidanceFormula | None = None
     distilled_input: str | None = None
     distilled_default: float | None = None
     per_expert_scale: bool = False
+    negative_prompt: str | None = " "
 
     def __post_init__(self) -> None:
         if self.branches not in ("separate", "batched", "none"):

@@ -6,7 +6,10 @@ Column-parallel: a rank holds a contiguous 1/N of the output features (of q/k/v:
 of the output; nothing is reduced. Row-parallel: a rank holds 1/N of the input features, which are its share of the
 column-parallel output before it; the partial outputs are summed across ranks. Gathered: a module that reads every
 head at once (LTX-2.3's q/k norm across heads, its attention gate): each rank all-gathers its inputs' heads, runs the
-module whole, as the train side does, and keeps its own heads of the output. Everything else is replicated.
+module whole, as the train side does, and keeps its own heads of the output. Gathered inputs: a module that reads
+column-parallel outputs and computes on all of them (FLUX's single-stream `proj_out`, whose input concatenates the
+attention output and the MLP activation): its inputs all-gathered, run whole on every rank, its output kept whole.
+Everything else is replicated.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ class TPPlan:
     # Modules whose tensor inputs hold a rank's heads on dim 2 ([B, S, H/N·D] or [B, S, H/N, ...]) but which compute
     # across heads: inputs all-gathered in rank order, the module run whole, the output's dim 2 sliced back.
     gathered: tuple[str, ...] = ()
+    # Modules each of whose tensor inputs holds a rank's share on dim 2 (a column-parallel output): inputs
+    # all-gathered in rank order, the module run whole and its output kept whole, the same on every rank.
+    gathered_inputs: tuple[str, ...] = ()
 
     def kind(self, module: str) -> str | None:
         """COLUMN, ROW or None (replicated) for a diffusers module name."""
@@ -36,6 +42,9 @@ class TPPlan:
 
     def gathers(self, module: str) -> bool:
         return any(re.fullmatch(p, module) for p in self.gathered)
+
+    def gathers_inputs(self, module: str) -> bool:
+        return any(re.fullmatch(p, module) for p in self.gathered_inputs)
 
     def unmatched(self, modules: list[str], patterns: tuple[str, ...] | None = None) -> list[str]:
         """The plan's patterns (default: the linear layers') that name none of `modules` (a typo in a plan would

@@ -42,15 +42,15 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from ..files import publish
+from ..lora_files import (COMPLETE, DIFFUSERS_PREFIX, EMA_FILE, LORA_FILE, complete_checkpoints,  # noqa: F401 - re-exported
+                          latest_checkpoint)
 from ..models.spec import ModelFamily, expert_prefix, split_by_expert
 from .dist import DistContext, all_gather_object
 from .model import LoraSpec
 from .policy import lora_full_state, optimizer_module, set_lora_state
 from .schedule import WeightsEMA
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
-EMA_FILE = "pytorch_lora_weights_ema.safetensors"
-DIFFUSERS_PREFIX = "transformer."
 TMP_PREFIX = ".tmp-"  # a checkpoint being written or pruned: never read, removed by the next save
 
 
@@ -135,7 +135,8 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         torch.save(extra, tmp / "optimizer.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        (tmp / "COMPLETE").write_text("ok\n")
+        (tmp / COMPLETE).write_text("ok\n")
+        publish(tmp)  # the LoRA files as readable as the rest (safetensors writes 0600)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -218,23 +219,6 @@ def prune(root: Path, keep: int) -> list[Path]:
     return removed
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoint folders, newest first (the one `latest` names leads)."""
-    ckpts = root / "checkpoints"
-    if not ckpts.is_dir():
-        return []
-    done = sorted((d for d in ckpts.glob("step-*") if (d / "COMPLETE").is_file()), reverse=True)
-    pointer = ckpts / "latest"
-    named = ckpts / pointer.read_text().strip() if pointer.is_file() else None
-    return sorted(done, key=lambda d: d != named)  # stable: the named one first, the rest newest first
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint: the one `latest` names, or failing that the newest folder with COMPLETE."""
-    done = complete_checkpoints(root)
-    return done[0] if done else None
-
-
 def resume_point(root: str | Path) -> str:
     """For the error line of a run that stopped: the checkpoint `--resume` continues from, or that there is none."""
     root = Path(root)
@@ -250,7 +234,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, d
     saved, trainer state). A missing or damaged file raises CheckpointError. A full-parameter run's checkpoint
     (`full_checkpoint`) gives (None, its scheduler and RNG states, trainer state): its shards load into the built
     models."""
-    missing = [f for f in ("optimizer.pt", "trainer_state.json", "COMPLETE") if not (path / f).is_file()]
+    missing = [f for f in ("optimizer.pt", "trainer_state.json", COMPLETE) if not (path / f).is_file()]
     try:
         state = json.loads((path / "trainer_state.json").read_text()) if "trainer_state.json" not in missing else {}
         if not isinstance(state, dict):
@@ -260,7 +244,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, d
     if state.get("full"):  # a full-parameter run's: DCP shards, loaded into the built models
         from .full_checkpoint import read
 
-        if "COMPLETE" in missing:
+        if COMPLETE in missing:
             raise CheckpointError(f"checkpoint {path} is incomplete (missing COMPLETE)")
         return None, read(path, state), state
     # Each trained expert's files (a one-expert checkpoint: LORA_FILE alone).

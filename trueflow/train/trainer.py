@@ -186,7 +186,7 @@ class Trainer:
                               cfg_scale_2=c.cfg_scale_2, distilled_guidance_scale=c.distilled_guidance_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
                               sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
-                              fps=c.fps,
+                              fps=c.fps, max_sequence_length=c.max_sequence_length,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 
     def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
@@ -328,7 +328,8 @@ class Trainer:
                 if self.ctx.is_main:
                     record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
                     self.metrics.write(record)
-                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"),
+                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
+                                    kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
                                     diff=_show(record["model_output_max_abs_diff"], ".1e"),
                                     ratio=_show(record["policy_ratio_mean"], ".6f"))
             self.state.rollout += 1
@@ -351,7 +352,7 @@ class Trainer:
         """The rollout's grid; with an EMA also the EMA weights' grid (same prompts, seed and sampling), which the
         engine draws with the EMA swapped in, then the live weights back (the next rollout and parity need them)."""
         if self.ctx.is_main:
-            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png", self.cfg.reward)
         if self.ema is None:
             return
         state = self._engine_state(self.ema)  # a collective: every rank takes part
@@ -359,7 +360,7 @@ class Trainer:
             self.engine.update_weights(state, *self._update_args())
             ema_rollout = self.engine.rollout(RolloutRequest(rollout.prompts, rollout.n_per_prompt, rollout.params,
                                                              rollout.seed, rollout.first_prompt))
-            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png")
+            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png", self.cfg.reward)
         self._sync()
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
