@@ -96,6 +96,7 @@ def test_a_killed_async_run_resumes_bit_for_bit(async_run, tiny_checkpoint, tmp_
 @pytest.mark.parametrize("settings, fix", [
     (dict(engine_process=False), "run the engine outside the trainer's process (--engine-process"),
     (dict(num_steps_per_rollout=2), "takes --num-steps-per-rollout 1"),
+    (dict(no_use_lora=True), "a LoRA's, not a whole transformer's; drop --no-use-lora"),
 ])
 def test_unsupported_async_settings_are_one_line(tmp_path, tiny_checkpoint, capsys, settings, fix):
     argv = ["--checkpoint", str(tiny_checkpoint), "--output-dir", str(tmp_path / "run"),

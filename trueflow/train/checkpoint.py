@@ -51,7 +51,7 @@ from ..models.spec import ModelFamily, expert_prefix, split_by_expert
 from .dist import DistContext, all_gather_object
 from .model import LoraSpec
 from .policy import lora_full_state, optimizer_module, set_lora_state
-from .schedule import LoraEMA
+from .schedule import WeightsEMA
 
 TMP_PREFIX = ".tmp-"  # a checkpoint being written or pruned: never read, removed by the next save
 
@@ -232,9 +232,11 @@ def resume_point(root: str | Path) -> str:
     return f"its last checkpoint is intact ({latest}): --resume continues from it"
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, dict]:
     """(LoRA fp32 masters by PEFT name, optimizer+rng(+scheduler) state with the EMA of the LoRA under "ema" when
-    saved, trainer state). A missing or damaged file raises CheckpointError."""
+    saved, trainer state). A missing or damaged file raises CheckpointError. A full-parameter run's checkpoint
+    (`full_checkpoint`) gives (None, its scheduler and RNG states, trainer state): its shards load into the built
+    models."""
     missing = [f for f in ("optimizer.pt", "trainer_state.json", COMPLETE) if not (path / f).is_file()]
     try:
         state = json.loads((path / "trainer_state.json").read_text()) if "trainer_state.json" not in missing else {}
@@ -242,6 +244,12 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
             raise ValueError("trainer_state.json holds no JSON object")
     except Exception as e:  # noqa: BLE001 - whatever the damage, the folder cannot be resumed from
         raise _unreadable(path, e) from None
+    if state.get("full"):  # a full-parameter run's: DCP shards, loaded into the built models
+        from .full_checkpoint import read
+
+        if COMPLETE in missing:
+            raise CheckpointError(f"checkpoint {path} is incomplete (missing COMPLETE)")
+        return None, read(path, state), state
     # Each trained expert's files (a one-expert checkpoint: LORA_FILE alone).
     experts = state.get("experts", ["transformer"])
     trained = [k for k, e in enumerate(experts) if e in state.get("lora_experts", experts)]
@@ -288,7 +296,7 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] 
 
 
 def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str, torch.nn.Module],
-                  optimizer: torch.optim.Optimizer, scheduler, ema: LoraEMA | None, lora_spec: LoraSpec, step: int,
+                  optimizer: torch.optim.Optimizer, scheduler, ema: WeightsEMA | None, lora_spec: LoraSpec, step: int,
                   rollout: int, metrics_lines: int | None, config: dict, extra_state: dict | None = None) -> None:
     """A training checkpoint at `step`: the LoRA of `models` (expert name -> policy, in order), `optimizer`, the
     lr `scheduler`, the `ema`, the RNGs, the trainer state (`rollout`s done, `metrics_lines` written, the
@@ -321,7 +329,7 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
 
 def restore_training(resumed: tuple[Path, dict[str, torch.Tensor], dict, dict],
                      models: Mapping[str, torch.nn.Module], named_params: dict[str, torch.nn.Parameter],
-                     optimizer: torch.optim.Optimizer, scheduler, ema: LoraEMA | None) -> dict:
+                     optimizer: torch.optim.Optimizer, scheduler, ema: WeightsEMA | None) -> dict:
     """Put what `load_latest` read back into the LoRA, the optimizer, the lr scheduler, the EMA and the RNGs;
     return the saved trainer state (step, rollout, metrics_lines, ...)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -338,6 +346,6 @@ def restore_training(resumed: tuple[Path, dict[str, torch.Tensor], dict, dict],
         if "ema" not in extra:
             raise ValueError(f"--resume: {path} holds no EMA of the LoRA; resume with the run's --ema-decay "
                              "(0), or start a new --output-dir")
-        set_lora_state(ema.shadow, extra["ema"])
+        ema.load_full(extra["ema"])
     set_rng_state(extra["rng"])
     return state

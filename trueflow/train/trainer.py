@@ -35,12 +35,14 @@ from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from . import checkpoint as ckpt
+from . import full, full_checkpoint
 from .async_rollouts import CHECKPOINT_KEY, AsyncRollouts, Behaviour, ImportanceWeights
 from .batch import TrainBatch, assemble, split_by_expert
 from .config import TrainConfig
 from .dist import DistContext, all_gather_object, all_reduce
 from .metrics import MetricsWriter, WandbSettings, step_record
 from .model import LoraSpec, train_forward
+from .optim import make_optimizer
 from .pairs import micro_batches, train_order
 from .parity_monitor import ParityMonitor, keep_rolled_out
 from .policy import build_policy, lora_full_state, lora_parameters
@@ -49,7 +51,7 @@ from .prompts import load_prompts
 if TYPE_CHECKING:
     from ..engine.interface import RolloutEngine
 from .report import write_sample_grid, write_summary
-from .schedule import LoraEMA, lr_scheduler
+from .schedule import WeightsEMA, lr_scheduler
 
 
 @dataclass
@@ -81,29 +83,34 @@ class Trainer:
                              f"{', '.join(self.experts)})")
         self.trained = set(cfg.lora_experts or self.experts)
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
-        self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
-                                       self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing, subfolder=e)
-                       for k, e in enumerate(self.experts)}
+        if cfg.use_lora:
+            self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
+                                           self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing,
+                                           subfolder=e) for k, e in enumerate(self.experts)}
+        else:  # every weight of the trained experts (`full`)
+            self.models = {e: full.build_full_policy(self.family, cfg.checkpoint, e in self.trained, self.dtype,
+                                                     ctx.device, cfg.gradient_checkpointing, subfolder=e)
+                           for e in self.experts}
         if cfg.train_tp_match:  # each sharded layer as the engine's tensor-parallel ranks compute it
             from ..parallel.engine import tp_plan
             from ..parallel.train_match import match_tp
 
             for model in self.models.values():
                 match_tp(model, tp_plan(self.family, cfg.train_tp_match), cfg.train_tp_match)
-        self.named_params = lora_parameters(self.models)
+        self.named_params = lora_parameters(self.models) if cfg.use_lora else full.full_parameters(self.models)
         self.params = list(self.named_params.values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg.optimizer, cfg.lr, cfg.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, cfg.num_rollouts * cfg.num_steps_per_rollout,
                                       cfg.lr_warmup_steps, cfg.lr_schedule)
-        self.ema = LoraEMA(self.named_params, cfg.ema_decay) if cfg.ema_decay else None
+        self.ema = WeightsEMA(self.named_params, cfg.ema_decay, cfg.ema_offload) if cfg.ema_decay else None
         self.state = StepState()
         self.saved_step: int | None = None
         keep = None
         if cfg.resume:  # nothing saved yet: start over, dropping any metrics of the killed run
             keep = 0
             if resumed is not None:
-                saved = ckpt.restore_training(resumed, self.models, self.named_params, self.optimizer, self.scheduler,
-                                              self.ema)
+                restore = ckpt.restore_training if cfg.use_lora else full_checkpoint.restore
+                saved = restore(resumed, self.models, self.named_params, self.optimizer, self.scheduler, self.ema)
                 self.state = StepState(step=saved["step"], rollout=saved["rollout"])
                 self.saved_step = saved["step"]
                 keep = saved["metrics_lines"]
@@ -123,13 +130,24 @@ class Trainer:
         the trainer's checksum, rank 0's engine's, whether every engine holds the trainer's LoRA, and the time
         taken (the slowest rank's)."""
         t0 = time.perf_counter()
-        state = lora_full_state(self.models, self.dtype)  # a collective: every rank takes part
-        engine_sum = self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
-        trainer_sum = tensors_checksum(state)
+        state = self._engine_state()  # a collective: every rank takes part
+        engine_sum = self.engine.update_weights(state, *self._update_args())
+        trainer_sum = tensors_checksum(state) if self.cfg.use_lora else full.state_checksum(state)
         sums = all_gather_object(engine_sum)
         took = all_reduce({"time_sync": time.perf_counter() - t0}, dist.ReduceOp.MAX)
         return {"trainer_checksum": trainer_sum, "engine_checksum": sums[0],
                 "checksums_equal": all(s == trainer_sum for s in sums), **took}
+
+    def _engine_state(self, ema: WeightsEMA | None = None) -> dict[str, torch.Tensor]:
+        """What the engine runs: the LoRA's compute copies, or every weight's (`full.compute_state`); `ema`: its
+        averages in place of the trained masters."""
+        if self.cfg.use_lora:
+            return lora_full_state(self.models, self.dtype) if ema is None else ema.full_state(self.dtype)
+        return full.compute_state(self.models, self.family, self.dtype, ema)
+
+    def _update_args(self) -> tuple:
+        """(lora_scale, merge_mode) of an update: a full-weight update has no scale."""
+        return (self.lora_spec.scale, self.cfg.lora_merge_mode) if self.cfg.use_lora else (None, None)
 
     # -- one rollout and its optimizer steps ---------------------------------------------------------------------
     def _share(self) -> tuple[int, int]:
@@ -292,15 +310,18 @@ class Trainer:
         sums = all_reduce(sums, dist.ReduceOp.SUM)
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        before = lora_full_state(self.models)
+        before = lora_full_state(self.models) if cfg.use_lora else full.UpdateNorm(self.named_params)
         if not cfg.debug_skip_optimizer_step:
             self.optimizer.step()
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update(self.named_params)
         self.optimizer.zero_grad(set_to_none=True)
-        after = lora_full_state(self.models)
-        update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
+        if cfg.use_lora:
+            after = lora_full_state(self.models)
+            update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
+        else:
+            update = before()
         n_batches = len(batches) * ctx.world
         return {
             **parity_metrics,
@@ -384,9 +405,9 @@ class Trainer:
             write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png", self.cfg.reward)
         if self.ema is None:
             return
-        state = self.ema.full_state(self.dtype)  # a collective: every rank takes part
+        state = self._engine_state(self.ema)  # a collective: every rank takes part
         if self.ctx.is_main:
-            self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
+            self.engine.update_weights(state, *self._update_args())
             ema_rollout = self.engine.rollout(RolloutRequest(rollout.prompts, rollout.n_per_prompt, rollout.params,
                                                              rollout.seed, rollout.first_prompt))
             write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png", self.cfg.reward)
@@ -394,10 +415,14 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self) -> None:
-        ckpt.save_training(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler, self.ema,
-                           self.lora_spec, self.state.step, self.state.rollout,
-                           self.metrics.lines if self.metrics is not None else None, self.cfg.to_dict(),
-                           self.ahead.checkpoint_state() if self.ahead is not None else None)
+        lines = self.metrics.lines if self.metrics is not None else None
+        if self.cfg.use_lora:
+            ckpt.save_training(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler, self.ema,
+                               self.lora_spec, self.state.step, self.state.rollout, lines, self.cfg.to_dict(),
+                               self.ahead.checkpoint_state() if self.ahead is not None else None)
+        else:  # async rollouts refuse full-parameter runs (config), so no in-flight versions to keep
+            full_checkpoint.save(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler,
+                                 self.ema, self.dtype, self.state.step, self.state.rollout, lines, self.cfg.to_dict())
         self.saved_step = self.state.step
 
 
