@@ -346,52 +346,53 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg = self.cfg
-        bar = tqdm(total=cfg.num_rollouts, initial=self.state.rollout, unit="rollout", disable=not self.ctx.is_main,
-                   desc="train")
-        while self.state.rollout < cfg.num_rollouts:
-            index = self.state.rollout
-            if self.ahead is None:
-                (rollout, rewards, dropped, times), behaviour = self._rollout(index), None
-            else:
-                rollout, rewards, dropped, times, behaviour = self.ahead.next(index)
-            # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
-            scored = rewards[~torch.isnan(rewards)]
-            first, count = self._share()
-            n = cfg.n_samples_per_prompt
-            advantages = group_advantages(rewards, n, cfg.adv_clip_max, cfg.global_std)[first * n:(first + count) * n]
-            kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout) \
-                if behaviour is None else behaviour.kept
-            for k in range(cfg.num_steps_per_rollout):
-                t0 = time.perf_counter()
-                m = self._train_step(rollout, advantages, k, kept, behaviour)
-                t1 = time.perf_counter()
-                # Async: the sync that matters is the one that installed the rollout's weights; the next ones go
-                # with the rollouts they make.
-                sync = self._sync() if behaviour is None else behaviour.sync
-                self.state.step += 1
-                if self.ctx.is_main:
-                    record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
-                    if behaviour is not None:
-                        record |= behaviour.record()
-                    self.metrics.write(record)
-                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
-                                    kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
-                                    diff=_show(record["model_output_max_abs_diff"], ".1e"),
-                                    ratio=_show(record["policy_ratio_mean"], ".6f"))
-            self.state.rollout += 1
-            if self.ahead is not None:
-                self.ahead.done(index)
-            if cfg.sample_every and index % cfg.sample_every == 0:
-                # The EMA's grid takes the engine: async, once the rollouts queued so far are made.
-                with self.ahead.idle() if self.ahead is not None and self.ema is not None else nullcontext():
-                    self._write_samples(rollout, index)
-            # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
-            # first boundary at or after every `save_every` optimizer steps.
-            steps_before = self.state.step - cfg.num_steps_per_rollout
-            if cfg.save_every and self.state.step // cfg.save_every > steps_before // cfg.save_every:
-                self.save()
-            bar.update()
-        bar.close()
+        # `with`: an error closes the bar first, so its one-line message is not drawn over by the bar
+        with tqdm(total=cfg.num_rollouts, initial=self.state.rollout, unit="rollout", disable=not self.ctx.is_main,
+                  desc="train") as bar:
+            while self.state.rollout < cfg.num_rollouts:
+                index = self.state.rollout
+                if self.ahead is None:
+                    (rollout, rewards, dropped, times), behaviour = self._rollout(index), None
+                else:
+                    rollout, rewards, dropped, times, behaviour = self.ahead.next(index)
+                # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
+                scored = rewards[~torch.isnan(rewards)]
+                first, count = self._share()
+                n = cfg.n_samples_per_prompt
+                advantages = group_advantages(rewards, n, cfg.adv_clip_max, cfg.global_std)
+                advantages = advantages[first * n:(first + count) * n]  # this rank's share
+                kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout) \
+                    if behaviour is None else behaviour.kept
+                for k in range(cfg.num_steps_per_rollout):
+                    t0 = time.perf_counter()
+                    m = self._train_step(rollout, advantages, k, kept, behaviour)
+                    t1 = time.perf_counter()
+                    # Async: the sync that matters is the one that installed the rollout's weights; the next ones go
+                    # with the rollouts they make.
+                    sync = self._sync() if behaviour is None else behaviour.sync
+                    self.state.step += 1
+                    if self.ctx.is_main:
+                        record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
+                        if behaviour is not None:
+                            record |= behaviour.record()
+                        self.metrics.write(record)
+                        bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
+                                        kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
+                                        diff=_show(record["model_output_max_abs_diff"], ".1e"),
+                                        ratio=_show(record["policy_ratio_mean"], ".6f"))
+                self.state.rollout += 1
+                if self.ahead is not None:
+                    self.ahead.done(index)
+                if cfg.sample_every and index % cfg.sample_every == 0:
+                    # The EMA's grid takes the engine: async, once the rollouts queued so far are made.
+                    with self.ahead.idle() if self.ahead is not None and self.ema is not None else nullcontext():
+                        self._write_samples(rollout, index)
+                # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
+                # first boundary at or after every `save_every` optimizer steps.
+                steps_before = self.state.step - cfg.num_steps_per_rollout
+                if cfg.save_every and self.state.step // cfg.save_every > steps_before // cfg.save_every:
+                    self.save()
+                bar.update()
         if self.saved_step != self.state.step:
             self.save()
         if self.ctx.is_main:
