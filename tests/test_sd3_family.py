@@ -74,7 +74,7 @@ def test_parity_is_bitwise_under_the_sd3_group_and_not_without(sd3_checkpoint):
 
 def test_generate_writes_images_and_a_snapshot_diffusers_replays(sd3_checkpoint, tmp_path):
     out = tmp_path / "on"
-    _stdout(["generate", "--checkpoint", str(sd3_checkpoint), "--prompt", "a red apple", "--num-images", "2",
+    _stdout(["generate", "--checkpoint", str(sd3_checkpoint), "--prompt", "a red apple", "--n-samples-per-prompt", "2",
              "--resolution", "64", "--steps", "2", "--sampler", "sde", "--cfg-scale", "4.5", "--patch-group", "sd3",
              "--snapshot", str(out / "s.safetensors"), "--out", str(out)])
     for i in range(2):

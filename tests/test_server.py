@@ -195,7 +195,8 @@ GOOD = {"prompts": ["a cat"], "n_per_prompt": 1, "seed": 0, "steps": 2, "height"
     ("/v1/images/generations", {"prompt": "a", "size": "big"}, 400, "WIDTHxHEIGHT"),
     ("/v1/images/generations", {"prompt": "a", "response_format": "url"}, 400, "b64_json"),
     ("/v1/images/generations", {"prompt": "a", "n": -1}, 400, "positive multiple"),
-    ("/v1/images/generations", {"prompt": "a", "quality": "hd"}, 400, "unknown field.*'quality'"),
+    # OpenAI's own fields are taken (tests/test_server_openai.py); any other unknown one is a typo, refused
+    ("/v1/images/generations", {"prompt": "a", "quality_boost": "hd"}, 400, "unknown field.*'quality_boost'"),
     ("/v1/images/generations", {"prompt": "a", "cfg_scale": 1e300}, 400, "cfg_scale must be at most 100"),
     ("/weights/lora", {"path": "/nonexistent/lora.safetensors", "scale": 1.0}, 403, "off on this server.*--weights-root"),
     ("/weights/lora", {"path": "/nonexistent/lora.safetensors"}, 400, "missing field.*'scale'"),
@@ -357,7 +358,7 @@ def serve_subprocess(checkpoint, *flags: str):
 
 
 def test_serve_cli_weight_updates_across_processes(tiny_checkpoint, reference):
-    with serve_subprocess(tiny_checkpoint, "--max-batch", "4") as (url, _proc):
+    with serve_subprocess(tiny_checkpoint, "--max-samples", "4", "--patch-group", "none") as (url, _proc):
         health = httpx.get(f"{url}/health").json()
         assert (health["threads"], health["limits"]["max_samples"], health["patch_group"]) == (TEST_THREADS, 4, "none")
         base = checksums(url)

@@ -166,7 +166,11 @@ def test_limits_are_validated_and_the_flags_default_to_them(capsys):
     assert err.count("\n") == 1 and "--max-steps must be an integer >= 1, got 0" in err
     serve = build_parser().parse_args(["serve", "--checkpoint", "x"])
     assert {f: getattr(serve, f) for f in vars(Limits())} == vars(Limits())
-    assert build_parser().parse_args(["serve", "--checkpoint", "x", "--max-batch", "4"]).max_samples == 4
+    # --max-batch is reward-serve's (images per merged reward call): serve refuses it, naming its own bound
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--checkpoint", "x", "--max-batch", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--max-samples" in err
 
 
 # -- strict types ------------------------------------------------------------------------------------------------

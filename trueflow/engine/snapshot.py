@@ -15,6 +15,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from ..files import publish
 from ..models import get_family
 from .guidance import expert_scale
 from .trajectory import Rollout
@@ -86,4 +87,5 @@ def save_snapshot(rollout: Rollout, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(snapshot_tensors(rollout), str(path),
               metadata={"format": FORMAT, METADATA_KEY: json.dumps(snapshot_metadata(rollout))})
+    publish(path)  # safetensors writes 0600
     return path

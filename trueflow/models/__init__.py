@@ -100,3 +100,21 @@ def family_for_patch_group(group: str) -> ModelFamily | None:
             return f
     names = [g for f in families().values() for g in f.patch_groups]
     raise ValueError(f"unknown patch group {group!r}; choose one of {', '.join(['none', *names])}")
+
+
+def parity_group(family: ModelFamily) -> str:
+    """The patch group that makes `family`'s engine train-exact: the first it declares."""
+    return next(iter(family.patch_groups))
+
+
+def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch-group") -> str:
+    """The patch group an engine of `family` runs: `group`, or (None) the family's parity group; `none` keeps the
+    engine's fast numerics. A group of another family is refused, naming the right one: its patches would set
+    layers this family's engine does not have, or not all of the ones it has."""
+    if group is None:
+        return parity_group(family)
+    owner = family_for_patch_group(group)  # raises on an unknown group, with the known names
+    if owner is not None and owner.name != family.name:
+        raise ValueError(f"{flag} {group} is the {owner.name} family's group, and this is a {family.name} "
+                         f"checkpoint: use {flag} {parity_group(family)} (or none)")
+    return group

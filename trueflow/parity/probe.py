@@ -16,6 +16,7 @@ import torch
 from .. import loading
 from ..dtypes import torch_dtype
 from ..engine.guidance import check_guidance, guide
+from ..files import publish
 from ..engine.weights import build_engine_transformer, update_lora
 from ..models import checkpoint_experts, family_for_checkpoint, family_for_config, get_family
 from ..models.spec import ModelFamily
@@ -233,6 +234,7 @@ class ParityProbe:
             "result": result.to_json(with_layers=False),
         }
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        publish(*(out / f for f in files))  # safetensors writes 0600
         return out
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
 
 from ..engine.interface import RolloutEngine
 from ..http import server_config
@@ -16,6 +17,8 @@ from .limits import Limits
 from .weights import TOKEN_ENV, weights_token
 from .worker import STUCK_GRACE_S, Worker
 
+if TYPE_CHECKING:
+    from ..lora_files import LoraFile
 
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, how long requests have to answer before uvicorn cancels them
 
@@ -33,9 +36,10 @@ def end_engine(engine: RolloutEngine, worker: Worker) -> None:
 
 
 def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: Limits = Limits(),
-          default_seed: int = 0, weights_root: str | None = None) -> None:
+          default_seed: int | None = None, weights_root: str | None = None, lora: LoraFile | None = None) -> None:
     """Builds the engine once through the placement factory (with `placement.tp` > 1 a tensor-parallel engine, a
-    process per rank, each with `spec.threads` intra-op threads), then serves it until SIGTERM or SIGINT: then it
+    process per rank, each with `spec.threads` intra-op threads), installs `lora` (a file `lora_files.find_lora`
+    checked) through the engine interface as any LoRA update is, then serves it until SIGTERM or SIGINT: then it
     takes no more work, stops the running rollout at its next step, answers the waiting requests 503, ends the
     engine's processes and exits."""
     import uvicorn
@@ -45,6 +49,12 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
     token = weights_token(host)
     try:
         engine = build_engine(spec, placement)
+        if lora is not None:
+            from ..lora_files import load_lora
+
+            checksum = engine.update_weights(load_lora(lora), lora.scale)
+            print(f"trueflow serve: LoRA {lora.path} installed (rank {lora.rank}, scale {lora.scale:g}, checksum "
+                  f"{checksum}); POST /weights/lora replaces it", file=sys.stderr, flush=True)
         # An engine in other processes runs `spec.threads`; an in-process one, whatever its worker thread has.
         app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads, token)
         if token is not None:  # a token of its own is printed; the user's, set in the environment, is not

@@ -11,6 +11,8 @@ parity are allowed but warned about loudly, naming the condition (ParityConditio
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,7 +64,8 @@ class TrainConfig(BaseModel):
                                   "model_index.json names none (default: the checkpoint's, else qwen_image)", "model",
                             min_length=1)
     dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
-    use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
+    use_lora: bool = _f(True, "train a LoRA; --no-use-lora trains every weight of the trained experts (fp32 "
+                              "masters, FSDP2-sharded; docs/training.md, Full-parameter training)", "model")
     lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
     lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0, le=1e4)
     lora_target_modules: list[str] | None = _f(None, "LoRA target modules (default: the model family's)", "model",
@@ -131,6 +134,12 @@ class TrainConfig(BaseModel):
                                            "steps too, against a kept copy of the rolled-out LoRA (an extra "
                                            "forward per micro-batch); else those steps report it as null",
                                     "algorithm")
+    async_rollouts: int = _f(0, "roll out N rollouts ahead of training (1: one step off): rollout k is made with "
+                                "the weights of step k - N while the trainer trains, and trained with the decoupled "
+                                "PPO objective; needs the engine outside the trainer's process (0: synchronous)",
+                             "algorithm", ge=0, le=64)
+    async_is_cap: float = _f(2.0, "--async-rollouts: the cap of the behaviour importance weight min(cap, pi/mu) "
+                                  "(V-trace's rho-bar)", "algorithm", ge=1, le=1e6)
     # optim
     # AdamW's decoupled decay scales a weight by 1 - lr·weight_decay: both at most 1 keep it in [0, 1].
     lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0, le=1)
@@ -142,6 +151,8 @@ class TrainConfig(BaseModel):
     ema_decay: float = _f(0.0, "EMA of the LoRA (0: off); checkpoints keep it and sample grids show it too",
                           "optim", ge=0, lt=1)
     max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0, le=1e6)
+    optimizer: Literal["adamw", "adamw_bf16"] = _f("adamw", "adamw (fp32 moments) or adamw_bf16 (moments stored in bf16: half the optimizer state; train/optim.py)", "optim")
+    ema_offload: bool = _f(False, "keep the EMA (--ema-decay) in CPU memory, each rank its shards", "optim")
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
     device: str = _f("cpu", "torch device", "parallel")
@@ -171,6 +182,7 @@ class TrainConfig(BaseModel):
                                                               "parallel")
     micro_batch_size_sample: int = _f(4, "samples per train micro-batch", "parallel", ge=1)
     micro_batch_size_tstep: int = _f(1, "denoising steps per train micro-batch", "parallel", ge=1)
+    gpu_memory_gib: float | None = _f(None, "plan the run's memory against GPUs of this many GiB (default on CUDA: the device's; on CPU: no plan)", "parallel", gt=0)
     pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
                                  "parallel", ge=1)
     # checkpoint
@@ -251,7 +263,14 @@ class TrainConfig(BaseModel):
                 errors.append(f"--sde-window {lo},{hi} must satisfy 0 <= lo < hi <= --steps ({self.steps}) and "
                               f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
-            errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
+            if self.kl_beta:
+                errors.append("--no-use-lora with --kl-beta: the KL reference of a full fine-tune needs a frozen copy "
+                              "of the base model, which is not implemented; set --kl-beta 0, or train a LoRA")
+            if self.lora_merge_mode == "merged":
+                errors.append("--lora-merge-mode merged: a full fine-tune sends no LoRA; drop it")
+            if self.tp > 1:
+                errors.append(f"--no-use-lora with --tp {self.tp}: a tensor-parallel engine takes no full-weight "
+                              "updates; run the engine at --tp 1")
         if self.train_tp_match is not None and self.train_tp_match != self.tp:
             errors.append(f"--train-tp-match {self.train_tp_match} must equal --tp {self.tp}: the train side computes "
                           "each sharded layer as the engine's ranks do")
@@ -274,6 +293,13 @@ class TrainConfig(BaseModel):
                 errors.append(f"--num-frames {self.num_frames}: {e}")
         if self.disable_patch and self.rollout_patch_group == "none":
             errors.append("--disable-patch needs a patch group; --patch-group none applies no patches")
+        if self.rollout_patch_group is not None:
+            from ..models import patch_group_for
+
+            try:
+                patch_group_for(self.model_family(), self.rollout_patch_group)
+            except ValueError as e:
+                errors.append(str(e))
         if self.ratio_norm == "grpo_guard" and self.sampler == "cps":
             errors.append("--ratio-norm grpo_guard needs --sampler sde: CPS's log-prob drops the 1/(2s^2) term "
                           "RatioNorm cancels")
@@ -285,10 +311,32 @@ class TrainConfig(BaseModel):
                 errors.append("--algorithm nft is KL-free: set --kl-beta 0")
             if self.ratio_norm != "none":
                 errors.append("--ratio-norm applies to --algorithm grpo (nft has no likelihood ratio)")
+        errors += self._async_errors()
         total = self.num_rollouts * self.num_steps_per_rollout
         if self.lr_warmup_steps and self.lr_warmup_steps >= total:
             errors.append(f"--lr-warmup-steps {self.lr_warmup_steps} must be less than the run's optimizer steps "
                           f"({total} = --num-rollouts x --num-steps-per-rollout)")
+        return errors
+
+    def _async_errors(self) -> list[str]:
+        n = self.async_rollouts
+        if not n:
+            return []
+        errors = []
+        if not (self.engine_process or self.engine_url or self.ray):
+            errors.append(f"--async-rollouts {n} overlaps the engine's rollout with training: run the engine outside "
+                          "the trainer's process (--engine-process, --engine-url or --ray); the in-process engine "
+                          "shares the trainer's process and devices")
+        if self.num_steps_per_rollout > 1:
+            errors.append(f"--async-rollouts {n} takes --num-steps-per-rollout 1: its proximal policy is the policy "
+                          "before the step, free on a rollout's one step (a later step would need another forward)")
+        if n > 1 and self.ray and (self.train_gpus or 1) > 1:
+            errors.append(f"--async-rollouts {n} with {self.train_gpus} disaggregated --ray trainer ranks: rank 0 "
+                          "broadcasts each update to every engine when it sends it, so one rollout at most may run "
+                          "ahead; use --async-rollouts 1")
+        if not self.use_lora:
+            errors.append(f"--async-rollouts {n} keeps the trained weights of every rollout in flight: a LoRA's, "
+                          "not a whole transformer's; drop --no-use-lora or --async-rollouts")
         return errors
 
     def ray_ranks(self) -> tuple[int, int]:
@@ -352,45 +400,66 @@ class TrainConfig(BaseModel):
             self.negative_prompt = fam.guidance.negative_prompt
         return fam
 
-    def validate(self) -> None:
-        """Everything not checked on construction (what needs torch, diffusers or the model family: the family, the
-        device, the attention backend, the patch group's names, the wandb package), then one ParityConditionWarning
-        per broken condition. Fills the settings left to the family."""
+    def preflight(self) -> None:
+        """What is checked before anything heavy loads (torch's core and the family registry only; no model, no
+        diffusers): the prompts file, the checkpoint folder, the run folder, the patch group's patches, the
+        device. `trueflow train` runs it before it imports the trainer, and `validate` again."""
         import torch
-        from diffusers.models.attention_dispatch import AttentionBackendName
 
         from ..engine.guidance import check_guidance, check_negative_prompt
         from ..patches import get_group
-        from .metrics import require_wandb
+        from .prompts import load_prompts
 
-        fam = self.fill_family_defaults()
+        load_prompts(self.prompts)
+        if self.checkpoint is not None and not (Path(self.checkpoint) / "model_index.json").is_file():
+            raise FileNotFoundError(f"--checkpoint {self.checkpoint}: not a diffusers pipeline folder (no "
+                                    "model_index.json); leave it unset for the tiny demo checkpoint")
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise FileExistsError(f"--output-dir {out} is a file: name a folder")
+        if not self.resume and (out / "metrics.jsonl").exists():
+            raise FileExistsError(f"{out} holds a run: use --resume to continue it, or another --output-dir")
+        fam, group_name, _ = self._family_choices()
+        group = get_group(group_name)  # raises with the known names
+        unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
+        if unknown:
+            raise ValueError(f"--disable-patch {', '.join(unknown)}: not a patch of group {group_name!r} "
+                             f"(its patches: {', '.join(group.patch_names)})")
         # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
+        negative = self.negative_prompt if self.negative_prompt is not None else fam.guidance.negative_prompt
         check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
-        check_negative_prompt(fam.name, fam.guidance, self.cfg_scale, self.negative_prompt)
+        check_negative_prompt(fam.name, fam.guidance, self.cfg_scale, negative)
         if not self.max_sequence_length <= fam.pipeline.max_text_tokens:
             raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name} takes at most "
                              f"{fam.pipeline.max_text_tokens} text tokens")
-        if self.wandb:
-            require_wandb()
         try:
             device = torch.device(self.device)
         except RuntimeError:
             raise ValueError(f"--device {self.device}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: this machine has no CUDA device; use --device cpu")
+
+    def validate(self) -> None:
+        """Everything not checked on construction: `preflight`, then what needs diffusers or an optional package
+        (the attention backend, wandb), then one ParityConditionWarning per broken condition. Fills the settings
+        left to the family."""
+        import torch
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        from .metrics import require_wandb
+
+        self.preflight()
+        fam = self.fill_family_defaults()
+        if self.wandb:
+            require_wandb()
+        device = torch.device(self.device).type  # a valid name: `preflight` checked it
         backends = [b.value for b in AttentionBackendName]
         if self.fsdp_attention_backend not in backends:
             raise ValueError(f"--fsdp-attention-backend {self.fsdp_attention_backend}: not a diffusers attention "
                              f"backend; use {fam.train.parity_backend} (or one of {', '.join(sorted(backends))})")
-        if self.fsdp_attention_backend == "_native_cudnn" and device.type != "cuda":
+        if self.fsdp_attention_backend == "_native_cudnn" and device != "cuda":
             raise ValueError(f"--fsdp-attention-backend _native_cudnn needs a CUDA device (cuDNN attention does not "
-                             f"exist on {device.type}); use --device cuda, or {fam.train.parity_backend}")
-
-        group = get_group(self.rollout_patch_group)  # raises with the known names
-        unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
-        if unknown:
-            raise ValueError(f"--disable-patch {', '.join(unknown)}: not a patch of group {self.rollout_patch_group!r} "
-                             f"(its patches: {', '.join(group.patch_names)})")
+                             f"exist on {device}); use --device cuda, or {fam.train.parity_backend}")
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
 
@@ -429,10 +498,13 @@ class TrainConfig(BaseModel):
                        "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
-        if self.num_steps_per_rollout > 1:
+        # Later steps train on moved weights by design; what condition 1 guards is the measured mismatch. With
+        # --parity-on-every-step each later step re-scores with the rolled-out LoRA, exactly 0.0 again (the policy's
+        # own change shows in policy_*), so nothing of parity is lost; without it those steps go unmeasured.
+        if self.num_steps_per_rollout > 1 and not self.parity_on_every_step:
             out.append(f"condition 1: --num-steps-per-rollout {self.num_steps_per_rollout}: only the first "
-                       "optimizer step of a rollout is on-policy; later ones train on updated weights (their "
-                       "train/rollout mismatch is null unless --parity-on-every-step; policy_* shows the change)")
+                       "optimizer step of a rollout runs on the rolled-out weights; the later ones' train/rollout "
+                       "mismatch is not measured (null) unless --parity-on-every-step (policy_* shows the change)")
         if self.pad_text_to is not None:
             out.append(f"condition 3: --pad-text-to {self.pad_text_to} pads the train batch to a whole window, "
                        "not to the rollout request's width")
@@ -482,7 +554,7 @@ class TrainConfig(BaseModel):
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
                                "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
-                               "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
+                               "reward_placement", "gradient_checkpointing", "gpu_memory_gib", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})
 FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
@@ -599,6 +671,33 @@ def _flag(section: str | None, key: str) -> str:
     return "--" + (f"{section}." if section else "") + key.replace("_", "-")
 
 
+def _flat_aliases(name: str) -> list[str]:
+    """A setting's flat flags, without the leading -- (none where its sectioned flag is already flat)."""
+    nested = _flag(*LOCATIONS[name])[2:]
+    return [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+
+
+def _default_text(f: FieldInfo) -> str:
+    default = f.default
+    return repr(default) if isinstance(default, str) and default.strip() != default else _show(default)
+
+
+def settings_table() -> str:
+    """docs/training.md's settings table, one row per setting from this schema (tests/test_docs.py keeps the doc
+    equal to it; `python scripts/docs.py --table` rewrites it)."""
+    lines = ["| setting (YAML) | flags | default | what it sets |", "|---|---|---|---|"]
+    for name, f in TrainConfig.model_fields.items():
+        section, key = LOCATIONS[name]
+        flags = [_flag(section, key), *(f"--{a}" for a in _flat_aliases(name))]
+        args = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+        choices = f" ({' or '.join(f'`{c}`' for c in typing.get_args(args[0] if args else f.annotation))})" \
+            if typing.get_origin(args[0] if args else f.annotation) is Literal else ""
+        what = (f.description or "").replace("|", "\\|")
+        lines.append(f"| `{f'{section}.' if section else ''}{key}` | {', '.join(f'`{x}`' for x in flags)} | "
+                     f"`{_default_text(f)}` | {what}{choices} |")
+    return "\n".join(lines) + "\n"
+
+
 def _settings_class() -> type:
     """TrainConfig in sections, for pydantic-settings to build flags from (the checks stay in TrainConfig)."""
     from pydantic_settings import BaseSettings
@@ -626,8 +725,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
                    "loads that back)")
     shortcuts = {}  # sectioned flag -> its flat aliases, without the leading --
     for name, (section, key) in LOCATIONS.items():
-        nested = _flag(section, key)[2:]
-        flat = [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+        nested, flat = _flag(section, key)[2:], _flat_aliases(name)
         if name in SECTIONS:  # --checkpoint, --reward: pydantic-settings would take these names for the sections
             p.add_argument(*(f"--{a}" for a in flat), dest=f"{section}.{key}", default=argparse.SUPPRESS,
                            metavar="VALUE", help=f"{TrainConfig.model_fields[name].description} (alias of --{nested})")
@@ -639,15 +737,49 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
 
 
 def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:
-    """pydantic-settings' add_argument, less its `--SECTION JSON` flags: --checkpoint and --reward are the flat
-    aliases of model.checkpoint and reward.name, and every setting of a section has its own flag."""
+    """pydantic-settings' add_argument, less its `--SECTION JSON` flags (--checkpoint and --reward are the flat
+    aliases of model.checkpoint and reward.name, and every setting of a section has its own flag), with a metavar
+    that says what to write and one default in the help."""
     dest = kwargs.get("dest")
+    if dest in SECTIONS:
+        return
+    name = _FLAT_NAME.get(tuple(dest.split(".", 1)) if "." in dest else (None, dest)) if dest else None
+    if name is not None:
+        f = TrainConfig.model_fields[name]
+        if "metavar" in kwargs:
+            kwargs["metavar"] = _metavar(f.annotation)
+        kwargs["help"] = _help(f)
     if dest == "checkpoint.resume":  # a switch that also takes `auto`: --resume, --resume auto, --no-resume
         parser.add_argument(*names, **{**kwargs, "nargs": "?", "const": "true", "metavar": "auto"})
         parser.add_argument(*(f"--no-{n[2:]}" for n in names), dest=dest, action="store_const", const="false",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    elif dest not in SECTIONS:
-        parser.add_argument(*names, **kwargs)
+        return
+    parser.add_argument(*names, **kwargs)
+
+
+def _metavar(annotation: Any) -> str:
+    """What a value looks like: `{a,b}` for a choice, N, X, TEXT, `A,B` for a list, `LO,HI` for a pair."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _metavar(args[0])
+    if typing.get_origin(annotation) is Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if typing.get_origin(annotation) is list:
+        return "A,B"
+    if typing.get_origin(annotation) is tuple:
+        return "LO,HI"
+    return {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")
+
+
+def _help(f: FieldInfo) -> str:
+    """The description, with its default (once: a description that says its default keeps its own words), and how
+    to unset an optional setting."""
+    text = f.description or ""
+    if "(default" not in text:
+        text += f" (default: {_default_text(f)})"
+    if type(None) in typing.get_args(f.annotation):
+        text += "; null unsets it"
+    return text.replace("%", "%%")
 
 
 def config_from_args(args: argparse.Namespace, source: Any) -> TrainConfig:
@@ -664,7 +796,9 @@ def config_from_args(args: argparse.Namespace, source: Any) -> TrainConfig:
 
 def config_from_argv(argv: list[str]) -> TrainConfig:
     """`trueflow train ARGV`'s settings (for scripts and tests)."""
-    p = argparse.ArgumentParser(prog="trueflow train")
+    from ..options import Parser
+
+    p = Parser(prog="trueflow train")
     source = add_arguments(p)
     return config_from_args(p.parse_args(argv), source)
 

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from ..placement import EngineSpec, Placement, RewardSpec, build_engine
 from . import checkpoint as ckpt
+from . import memory
 from .config import TrainConfig, resume_changes
 from .dist import init_distributed
 from .lock import holding_run_lock, lock_run_folder
-from .prompts import load_prompts
 
 DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
@@ -33,17 +33,13 @@ def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
 def _check_before_loading(cfg: TrainConfig) -> tuple | None:
     """Every check that needs no model, so a mistake costs no loading time. Returns the checkpoint to resume from
     (`checkpoint.load_latest`), if any."""
-    cfg.validate()
-    load_prompts(cfg.prompts)
+    cfg.validate()  # its preflight checks the prompts, the checkpoint folder and the run folder
     if cfg.checkpoint is None:
         cfg.checkpoint = str(DEFAULT_CHECKPOINT)
-    elif not (Path(cfg.checkpoint) / "model_index.json").is_file():
-        raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: not a diffusers pipeline folder (no model_index.json); "
-                                "leave it unset for the tiny demo checkpoint")
     _check_schedule(cfg)
+    # A full-parameter setting that cannot fit its GPUs is refused here, from the checkpoint's headers alone.
+    memory.check_fits(cfg, cfg.ray_ranks()[0] if cfg.ray else int(os.environ.get("WORLD_SIZE", 1)))
     out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--output-dir {out} is a file: name a folder")
     if cfg.resume is True and not out.exists():
         raise FileNotFoundError(f"--resume: no folder {out} to continue (--resume auto starts afresh there)")
     try:
