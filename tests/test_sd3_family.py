@@ -76,7 +76,7 @@ def test_generate_writes_images_and_a_snapshot_diffusers_replays(sd3_checkpoint,
     out = tmp_path / "on"
     _stdout(["generate", "--checkpoint", str(sd3_checkpoint), "--prompt", "a red apple", "--n-samples-per-prompt", "2",
              "--resolution", "64", "--steps", "2", "--sampler", "sde", "--cfg-scale", "4.5", "--patch-group", "sd3",
-             "--snapshot", str(out / "s.safetensors"), "--out", str(out)])
+             "--snapshot", str(out / "s.safetensors"), "--output-dir", str(out)])
     for i in range(2):
         assert Image.open(out / f"{i:04d}.png").size == (64, 64)
     for t in (0, 1):
@@ -146,8 +146,8 @@ def _one_line_error(capsys, *argv: str) -> str:
 
 def test_bad_input_is_one_line(sd3_checkpoint, capsys, tmp_path):
     ckpt = str(sd3_checkpoint)
-    gen = ["generate", "--checkpoint", ckpt, "--prompt", "x", "--steps", "1", "--out", str(tmp_path / "g")]
-    for extra, match in ((["--resolution", "72"], "multiple of 16 pixels (VAE factor 8 x patch 2"),
+    gen = ["generate", "--checkpoint", ckpt, "--prompt", "x", "--steps", "1", "--output-dir", str(tmp_path / "g")]
+    for extra, match in ((["--resolution", "72"], "multiple of 16 pixels for sd3 (VAE factor 8 x patch 2"),
                          (["--num-frames", "9"], "SD3 makes images: num_frames must be 1"),
                          (["--distilled-guidance-scale", "3"], "sd3 has no distilled guidance input")):
         assert match in _one_line_error(capsys, *gen, *extra)
