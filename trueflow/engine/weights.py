@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import loading
 from ..layers.linear import Linear
-from ..models import family_for_config
+from ..models import family_for_config, weight_map
 from ..models.spec import ModelFamily
 from ..patches import apply_patch_group
 
@@ -76,6 +76,21 @@ def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scal
         engine.set_lora(model, lora, scale, merge=False, check_only=True)
     else:
         engine.set_lora(model, lora, scale, merge=resolve_lora_merge(model, merge_mode))
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of the engine model under diffusers' tensor names, read back from its parameters (views, no
+    copy): what a full-weight update installed."""
+    fam = _family(model).engine
+    return weight_map.full_state(model, weight_map.Names(fam.map_module_name, fam.diffusers_module_name))
+
+
+def check_full(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """The checks of a full-weight update of `model` (what the family's `load_weights` checks), nothing applied."""
+    fam = _family(model).engine
+    keep = (lambda k: not fam.drops(k)) if fam.drops is not None else (lambda k: True)
+    weight_map.check_weights(model, weight_map.subset(state_dict, keep),
+                             weight_map.Names(fam.map_module_name, fam.diffusers_module_name))
 
 
 def lora_slots(model: nn.Module) -> list[tuple[str, Linear, int]]:
