@@ -209,6 +209,13 @@ def test_the_recipes_load_aligned():
     for cfg in (a14b, ti2v):
         cfg.fill_family_defaults()
         assert cfg.parity_warnings() == []
+    # A full fine-tune is not bitwise on Wan (1.95e-3 at the first step on the tiny TI2V-5B): FSDP2's bf16 compute
+    # copies of the trained masters round what diffusers keeps in fp32. It is named, not passed silently.
+    full = config_from_argv(["--config", "recipes/wan22_ti2v5b.yaml", "--family", "wan", "--no-use-lora"])
+    full.fill_family_defaults()
+    (warning,) = full.parity_warnings()
+    assert warning.startswith("--no-use-lora on wan: diffusers keeps rope, time_embedder, scale_shift_table, norm1, "
+                              "norm2, norm3 in fp32")
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------

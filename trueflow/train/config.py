@@ -526,6 +526,12 @@ class TrainConfig(BaseModel):
         if self.lora_merge_mode == "merged":
             out.append("--lora-merge-mode merged: W + scale·B·A in bf16 rounds differently from PEFT's "
                        "unmerged forward")
+        kept = () if self.use_lora else getattr(fam.train.model_class(), "_keep_in_fp32_modules", None) or ()
+        if kept:  # a LoRA run leaves them frozen in fp32 (train.policy.kept_in_fp32); FSDP2 casts trained masters
+            out.append(f"--no-use-lora on {fam.name}: diffusers keeps {', '.join(kept)} in fp32 "
+                       f"({fam.train.transformer_class}._keep_in_fp32_modules) and the pipeline computes them so; a "
+                       "full fine-tune's bf16 compute copies (and the weights it syncs) round them to bf16: train a "
+                       "LoRA")
         return out
 
     # -- the sectioned form ---------------------------------------------------------------------------------------
