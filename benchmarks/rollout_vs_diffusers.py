@@ -44,7 +44,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

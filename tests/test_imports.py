@@ -45,7 +45,8 @@ ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwe
                   "trueflow.models.weight_map",
                   "trueflow.engine.weights", "trueflow.engine.sampling_params", "trueflow.engine.model_runner",
                   "trueflow.patches",
-                  *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py") if p.stem != "__init__")]
+                  *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py")
+                          if p.stem != "__init__")]
 
 
 def _py_files(*dirs: str) -> list[str]:
@@ -115,7 +116,8 @@ def test_engine_code_imports_no_diffusers_models():
     # the named exceptions really are diffusers-side (if one stops being so, shrink the list); the schedule imports
     # a diffusers pipeline module, which loads diffusers' models when imported
     for rel in allowed:
-        assert _diffusers_model_imports(rel) or any(m.startswith("diffusers.pipelines.") for m, _, _ in _imports(rel)), rel
+        assert _diffusers_model_imports(rel) or any(m.startswith("diffusers.pipelines.")
+                                                    for m, _, _ in _imports(rel)), rel
 
 
 def _trueflow_closure(roots: list[str]) -> set[str]:
@@ -179,7 +181,8 @@ def _family_of(rel: str) -> str | None:
 
 def test_no_module_outside_a_family_imports_it():
     assert FAMILIES and "qwen_image" in FAMILIES
-    bad = [b for rel in _py_files("trueflow") for b in _family_imports(rel) if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
+    bad = [b for rel in _py_files("trueflow") for b in _family_imports(rel)
+           if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
     assert not bad, "\n".join(bad)
 
 
@@ -224,11 +227,12 @@ def test_model_files_do_no_file_io(rel):
     bad = []
     for a, b in zip(toks, toks[1:] + [None]):
         followed_by_call = b is not None and b.string == "("
-        if a.type == tokenize.NAME and ((a.string in ("open", "Path") and followed_by_call) or "safetensors" in a.string):
+        if a.type == tokenize.NAME and ((a.string in ("open", "Path") and followed_by_call)
+                                        or "safetensors" in a.string):
             bad.append(f"{rel}:{a.start[0]}: {a.line.strip()}")
         if a.type == tokenize.NAME and a.string in ("load", "save") and followed_by_call:  # torch.load / torch.save
             bad.append(f"{rel}:{a.start[0]}: {a.line.strip()}")
-    for mod, names, line in _imports(rel):
+    for mod, _, line in _imports(rel):
         if mod.split(".")[0] in IO_MODULES or mod in IO_MODULES:
             bad.append(f"{rel}:{line}: import {mod}")
     assert not bad, "\n".join(bad)

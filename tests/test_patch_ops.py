@@ -306,10 +306,10 @@ def _linears(d: int, n: int, seed: int) -> list[nn.Linear]:
 
 def _packed(linears: list[nn.Linear]) -> Linear:
     d = linears[0].in_features
-    packed = Linear(d, d * len(linears), splits=tuple(l.out_features for l in linears)).to(BF16)
+    packed = Linear(d, d * len(linears), splits=tuple(m.out_features for m in linears)).to(BF16)
     with torch.no_grad():
-        packed.weight.copy_(torch.cat([l.weight for l in linears]))
-        packed.bias.copy_(torch.cat([l.bias for l in linears]))
+        packed.weight.copy_(torch.cat([m.weight for m in linears]))
+        packed.bias.copy_(torch.cat([m.bias for m in linears]))
     return packed
 
 
@@ -364,7 +364,8 @@ def peft_model(request):
             if ".lora_B." in name:  # PEFT starts B at zero; a trained adapter has B != 0
                 p.copy_(randn(p.shape, 70 + i, std=0.02))
     lora_params = {n: p for n, p in model.named_parameters() if ".lora_" in n}
-    assert {p.dtype for p in lora_params.values()} == {BF16}, "adapters must stay bf16, as diffusers' add_adapter keeps them"
+    assert {p.dtype for p in lora_params.values()} == {BF16}, \
+        "adapters must stay bf16, as diffusers' add_adapter keeps them"
     assert all(p.abs().max() > 0 for n, p in lora_params.items() if ".lora_B." in n)
     return model
 
@@ -381,13 +382,13 @@ def test_lora_unmerged_matches_peft(peft_model, shape):
     x = randn((*shape, d), 80)
     qkv = [inner.to_q, inner.to_k, inner.to_v]
     assert qkv[0].scaling["default"] == LORA_ALPHA / LORA_RANK
-    packed = _packed([l.base_layer for l in qkv])
+    packed = _packed([m.base_layer for m in qkv])
     packed.unpacked = True  # the patch group's unpacked_qkv
-    packed.set_lora([_adapter(l) for l in qkv], merge=False)  # the patch group's lora_unmerged
+    packed.set_lora([_adapter(m) for m in qkv], merge=False)  # the patch group's lora_unmerged
     plain = _packed([inner.proj.base_layer])
     plain.set_lora([_adapter(inner.proj)], merge=False)
     with torch.no_grad():
-        refs = [l(x) for l in qkv]
+        refs = [m(x) for m in qkv]
         ref_proj = inner.proj(x)
         base = inner.proj.base_layer(x)
         for name, o, r in zip("qkv", packed(x), refs):
@@ -553,7 +554,8 @@ def test_group_installs_the_reference_ops():
     assert set(P.GROUP.patch_names) == {v[3] for v in expect.values()} | set(joint)
     for disabled in [()] + [(p,) for p in P.GROUP.patch_names] + [None]:
         model = build_model(config, device="meta")
-        applied = apply_patch_group(model, "none") if disabled is None else apply_patch_group(model, "qwen_image", disabled)
+        applied = (apply_patch_group(model, "none") if disabled is None
+                   else apply_patch_group(model, "qwen_image", disabled))
         assert applied == ([] if disabled is None else [p for p in P.GROUP.patch_names if p not in disabled])
         on = set(applied)
         for mod in model.modules():

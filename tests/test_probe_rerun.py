@@ -35,4 +35,4 @@ def test_outside_rerun_reproduces_the_engine_output(tiny_checkpoint, tmp_path, g
 
 def test_the_rerun_script_imports_no_trueflow():
     source = RERUN.read_text()
-    assert "trueflow" not in "".join(l for l in source.splitlines() if l.startswith(("import", "from")))
+    assert "trueflow" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))

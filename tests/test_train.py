@@ -123,7 +123,10 @@ def assert_same_metrics(rows: list[dict], embedded: list[dict]) -> None:
     one-process run. Only sums over sharded or per-rank pieces (grad norm, mean loss) are added in another order,
     so they agree to float rounding."""
     order_dependent = ("grad_norm", "loss", "kl")
-    exact = lambda rs: [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+
+    def exact(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+
     assert exact(rows) == exact(embedded)
     for r, e in zip(rows, embedded):
         for k in order_dependent:

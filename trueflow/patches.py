@@ -8,7 +8,7 @@ what it buys.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

@@ -168,7 +168,8 @@ class Engine:
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         negative = self._encode(params.negative_prompt, params) if params.cfg else None
         microgroups, images = [], []
-        with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not self.progress, unit="step") as bar:
+        with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not self.progress,
+                  unit="step") as bar:
             for p, prompt in enumerate(prompts):
                 positive = self._encode(prompt, params)
                 g = request.first_prompt + p  # the global prompt index: what the random streams follow

@@ -73,7 +73,8 @@ class LoraArena:
         slots = weights.lora_slots(model)
         installed = sorted(f"{p}.lora_{ab}.weight" for p, _, _ in slots for ab in "AB")
         dtypes = {layer.weight.dtype for _, layer, _ in slots}
-        return (bool(names) and names == installed and len(dtypes) == 1 and not any(l.merged for _, l, _ in slots)
+        return (bool(names) and names == installed and len(dtypes) == 1
+                and not any(layer.merged for _, layer, _ in slots)
                 and all(packed_in_order(b) and {d for _, d, _, _ in b.manifest} == dtypes for b in buckets))
 
     def holds(self) -> bool:

@@ -455,8 +455,9 @@ class TrainConfig(BaseModel):
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
                        f"bitwise (use --patch-group {next(iter(fam.patch_groups))})")
         if self.tp > 1 and self.train_tp_match != self.tp:
-            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel forward sums each row-parallel "
-                       "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
+            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel "
+                       "forward sums each row-parallel layer's shards, which the stock train side does not "
+                       "(docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
         # Later steps train on moved weights by design; what condition 1 guards is the measured mismatch. With
@@ -517,8 +518,9 @@ RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_eve
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
-RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
+# None: the family's
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:

@@ -62,6 +62,7 @@ def build_transformer(
         model = QwenImageTransformer2DModel(**config)
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
+            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                      p.requires_grad))
     init_weights_(model, seed, device)
     return model.eval()  # the model has no buffers, so nothing else needs casting to `dtype`
