@@ -52,7 +52,7 @@ from trueflow.models.qwen_image.presets import build_transformer, transformer_co
 from trueflow.engine.cuda_graph import GraphedForward
 from trueflow.engine.weights import build_engine_transformer
 from trueflow.models.qwen_image.patches import complex_fma
-from trueflow.patches import apply_patch_group, get_group
+from trueflow.models import apply_patch_group, get_group
 
 GOAL_SHAPE, GOAL_SPEEDUP = "1024x4", 1.2  # issue K: parity mode >= 1.2x diffusers `_native_flash` eager there
 

@@ -52,7 +52,7 @@ from trueflow.models.qwen_image.transformer import (
     build_model,
     timestep_proj_fused,
 )
-from trueflow.patches import apply_patch_group
+from trueflow.models import apply_patch_group
 
 # [batch, sequence, hidden]: one sample and a microgroup, a short and a long text, tiny and real width.
 SHAPES = [(1, 7, 64), (4, 33, 64), (1, 7, 3072), (4, 33, 3072)]
@@ -468,7 +468,7 @@ def test_attention_pairing_layouts(tiny_bf16, monkeypatch, train_backend):
     from torch.nn.attention import SDPBackend
 
     import trueflow.layers.attention as A
-    from trueflow.patches import get_group
+    from trueflow.models import get_group
 
     diff, config, state = tiny_bf16
     batch, h, w, text_len = 2, 4, 5, 7
@@ -515,7 +515,7 @@ def test_attention_pairing_layouts(tiny_bf16, monkeypatch, train_backend):
 def test_group_follows_the_train_backend():
     """`qwen_image` is the `_native_flash` pairing; `qwen_image:<backend>` pins that backend's kernel; a backend no
     kernel reproduces is refused with the choices."""
-    from trueflow.patches import get_group
+    from trueflow.models import get_group
 
     def kernel(group) -> str:
         model = build_model({"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 32,

@@ -85,7 +85,8 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
     from trueflow.models import get_family
     from trueflow.train.model import train_forward
     from trueflow.models.qwen_image.train import model_timestep
-    from trueflow.engine.weights import load_engine_transformer, update_lora
+    from trueflow.engine.weights import load_engine_transformer
+    from trueflow.models.lora import update_lora
 
     out, _ = embedded_run
     ckpt = latest_checkpoint(out)

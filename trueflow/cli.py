@@ -47,7 +47,7 @@ def _check_engine_options(a: argparse.Namespace, fam: ModelFamily) -> None:
     """The patch group (default: the family's parity group; another family's refused), the patches switched off,
     the thread count: `a` is updated in place."""
     from .models import patch_group_for
-    from .patches import get_group
+    from .models import get_group
 
     a.patch_group = patch_group_for(fam, a.patch_group)
     if a.disable_patch:
@@ -401,7 +401,7 @@ def _add_patches(p: argparse.ArgumentParser) -> None:
 
 def _run_patches(a: argparse.Namespace) -> int:
     from .models import default_family, family_for_patch_group, get_family, patch_group_for
-    from .patches import get_group
+    from .models import get_group
 
     if a.family is not None:
         name = patch_group_for(get_family(a.family), a.patch_group)

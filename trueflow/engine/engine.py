@@ -101,7 +101,7 @@ class Engine:
     def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
                     merge_mode: str | None = None) -> None:
         """Replace the LoRA (PEFT-format tensors, or buckets of them as a sync sends them); merged or not as
-        `engine.weights.resolve_lora_merge` decides."""
+        `models.lora.resolve_lora_merge` decides."""
         self.runner.update_lora(state, scale, merge_mode)
 
     def lora_checksum(self) -> str:

@@ -25,7 +25,7 @@ from ..layers.linear import Linear
 from ..models.spec import Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
-from . import weights
+from ..models import lora
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
 from .cuda_graph import GraphedForward
 from .guidance import BranchForward, expert_scale, guide
@@ -59,7 +59,7 @@ class ModelRunner:
         if len(self.transformers) > 1:
             parts = split_by_expert(unpack(state) if isinstance(state, list) else state, self.names)
             for model, part in zip(self.transformers, parts):
-                weights.update_lora(model, part, scale, merge_mode, check_only=True)
+                lora.update_lora(model, part, scale, merge_mode, check_only=True)
             for model, part in zip(self.transformers, parts):
                 self._update_one(model, part, scale, merge_mode)
         else:
@@ -76,7 +76,7 @@ class ModelRunner:
             update_lora_packed(model, buckets, scale, merge_mode)
         else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
             model.lora_arena = None
-            weights.update_lora(model, state, scale, merge_mode)
+            lora.update_lora(model, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         if getattr(self.transformer, "tp", None) is not None:
@@ -92,11 +92,11 @@ class ModelRunner:
     def lora_checksum(self) -> str:
         if len(self.transformers) == 1:
             return lora_checksum(self.transformer)
-        return tensors_checksum(self._prefixed(weights.lora_state))
+        return tensors_checksum(self._prefixed(lora.lora_state))
 
     def weights_checksum(self) -> str:
         tensors = self._prefixed(lambda m: dict(m.named_parameters()))
-        tensors.update({f"lora.{k}": v for k, v in self._prefixed(weights.lora_state).items()})
+        tensors.update({f"lora.{k}": v for k, v in self._prefixed(lora.lora_state).items()})
         scales = sorted({a.scale for t in self.transformers for m in t.modules() if isinstance(m, Linear)
                          for a in m.adapters if a})
         return tensors_checksum(tensors, extra=f"lora_scales={scales}")

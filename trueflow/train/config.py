@@ -368,7 +368,7 @@ class TrainConfig(BaseModel):
         import torch
 
         from ..engine.guidance import check_guidance, check_negative_prompt
-        from ..patches import get_group
+        from ..models import get_group
         from .prompts import load_prompts
 
         load_prompts(self.prompts)
@@ -436,7 +436,7 @@ class TrainConfig(BaseModel):
         pair)."""
         fam, group, backend = self._family_choices()
         if group in fam.patch_groups and backend != fam.train.parity_backend:
-            from ..patches import get_group
+            from ..models import get_group
 
             paired = f"{group}:{backend}"
             try:
