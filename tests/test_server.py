@@ -240,7 +240,7 @@ def test_lora_update_by_file_and_by_ipc(fresh_url, reference, tiny_checkpoint, t
 
     # The update is what the engine runs with: the same rollout as an in-process engine given the same LoRA.
     ref = Engine(tiny_checkpoint)
-    ref.update_lora(other, scale=1.0, merge_mode="unmerged")
+    ref.update_weights(other, lora_scale=1.0, merge_mode="unmerged")
     args = (["a cat"], 1, PARAMS, 3)
     served = remote_rollout(fresh_url, RolloutRequest(*args))
     assert_same_rollout(served, ref.rollout(RolloutRequest(*args)))
