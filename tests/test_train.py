@@ -178,7 +178,7 @@ def test_two_fsdp_ranks_with_the_engine_in_its_own_process(embedded_run, tiny_ch
 @pytest.mark.parametrize("overrides, fix", [
     (dict(n_samples_per_prompt=6), "multiple of --rollout-microgroup-size"),
     (dict(num_sde_steps=9), "--num-sde-steps"),
-    (dict(use_lora=False), "full fine-tuning"),
+    (dict(use_lora=False, kl_beta=0.1), "KL reference of a full fine-tune"),
     (dict(resolution=60), "multiple of 16"),
 ])
 def test_invalid_settings_are_refused_with_the_fix(tmp_path, tiny_checkpoint, overrides, fix):

@@ -461,6 +461,8 @@ def _add_reward_serve(p: argparse.ArgumentParser) -> None:
                    help="most images in one merged reward call (default: 64)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the first request waits for others to batch with (default: 5)")
+    p.add_argument("--max-body-mb", type=float, default=256.0, metavar="MB",
+                   help="largest /score body taken, in MiB; a larger one is refused (413) unread (default: 256)")
 
 
 def _run_reward_serve(a: argparse.Namespace) -> int:
@@ -469,11 +471,13 @@ def _run_reward_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-batch {a.max_batch}: must be >= 1")
     if not (math.isfinite(a.max_wait_ms) and a.max_wait_ms >= 0):
         raise ValueError(f"--max-wait-ms {a.max_wait_ms}: must be a finite number >= 0")
+    if not (math.isfinite(a.max_body_mb) and a.max_body_mb > 0):
+        raise ValueError(f"--max-body-mb {a.max_body_mb}: must be a finite number > 0")
     _set_threads(a)
     from .rewards.server import serve
 
     serve(a.reward, host=a.host, port=a.port, model_path=a.reward_model, device=a.device, max_batch=a.max_batch,
-          max_wait_ms=a.max_wait_ms, url=a.reward_url)
+          max_wait_ms=a.max_wait_ms, url=a.reward_url, max_body_bytes=int(a.max_body_mb * (1 << 20)))
     return 0
 
 

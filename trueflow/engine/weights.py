@@ -1,5 +1,6 @@
-"""Building the engine's transformer, for any model family: the family's engine side builds the model and maps
-diffusers' tensor names onto it. Its LoRA (the engine-side half of weight sync) is `models.lora`'s."""
+"""Building the engine's transformer, for any model family, and reading back or checking its full weights: the
+family's engine side builds the model and maps diffusers' tensor names onto it. Its LoRA (the engine-side half of a
+LoRA sync) is `models.lora`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import loading
-from ..models import apply_patch_group, family_for_config
+from ..models import apply_patch_group, family_for_config, weight_map
 
 
 def build_engine_transformer(
@@ -37,3 +38,18 @@ def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = 
     drops = family_for_config(config, family).engine.drops  # left unread: LTX-2.3's audio stream
     return build_engine_transformer(config, loading.read_transformer_state_dict(checkpoint, drops, subfolder),
                                     device, dtype, patch_group, disabled_patches, family)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of the engine model under diffusers' tensor names, read back from its parameters (views, no
+    copy): what a full-weight update installed."""
+    fam = model.family.engine
+    return weight_map.full_state(model, weight_map.Names(fam.map_module_name, fam.diffusers_module_name))
+
+
+def check_full(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """The checks of a full-weight update of `model` (what the family's `load_weights` checks), nothing applied."""
+    fam = model.family.engine
+    keep = (lambda k: not fam.drops(k)) if fam.drops is not None else (lambda k: True)
+    weight_map.check_weights(model, weight_map.subset(state_dict, keep),
+                             weight_map.Names(fam.map_module_name, fam.diffusers_module_name))

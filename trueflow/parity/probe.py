@@ -204,14 +204,16 @@ class ParityProbe:
 
         s = self.spec
         if self.negative_cond is not None:
-            raise ValueError("--save writes the inputs of one forward: drop --cfg-scale")
+            raise ValueError("--output-dir writes the inputs of one forward: drop --cfg-scale")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         # The conditioning under its model-input names, beside hidden_states and timestep (no key clashes: they
         # are the transformer's keyword arguments).
-        tensors = {k: v.contiguous().cpu() for k, v in {**self.inputs, **self.inputs["cond"]}.items()
-                   if isinstance(v, torch.Tensor)}
-        tensors["timestep_train"] = self.family.train.timestep(self.inputs["timestep"], s.torch_dtype()).cpu()
+        # Each its own copy: safetensors refuses tensors that share storage, and a family whose train side takes
+        # the timestep as it is (LTX-2.3: fp32 in, fp32 out) gives back the very `timestep` tensor.
+        tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+                   for k, v in {**self.inputs, **self.inputs["cond"]}.items() if isinstance(v, torch.Tensor)}
+        tensors["timestep_train"] = self.family.train.timestep(self.inputs["timestep"], s.torch_dtype()).cpu().clone()
         tensors["engine_output"] = engine_output.contiguous().cpu()
         save_file(tensors, str(out / "inputs.safetensors"))
         files = ["inputs.safetensors"]

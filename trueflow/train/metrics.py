@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     import torch
 
 # Wall-clock values, which vary run to run (a comparison of two runs' records leaves them out): the phases' seconds
-# and when the record was written (ISO 8601, UTC).
-TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "timestamp")
+# and when the record was written (ISO 8601, UTC); time_wait: how long an --async-rollouts step waited for its rollout.
+TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "time_wait", "timestamp")
 
 
 @dataclass(frozen=True)

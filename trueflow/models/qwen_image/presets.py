@@ -40,6 +40,9 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     "full": dict(_FULL),
     # Real-width GEMMs and attention at one block (~380M params), for CPU numerics tests.
     "one_block": {**_FULL, "num_layers": 1},
+    # The real widths at 12 of the 60 blocks (4.2B): a full-parameter run of it fits one H200 (docs/training.md's
+    # memory plan; scripts/gpu_fullft.py).
+    "h200_fullft": {**_FULL, "num_layers": 12},
 }
 
 def transformer_config(size: str) -> dict[str, Any]:
