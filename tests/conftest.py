@@ -86,6 +86,14 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sd3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny SD3.5 pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.checkpoints import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("sd3") / "tiny", family="sd3")
+
+
+@pytest.fixture(scope="session")
 def flux_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ONE tiny FLUX.1-dev pipeline folder (seed 0, fp32), written once and shared read-only."""
     from trueflow.checkpoints import init_checkpoint

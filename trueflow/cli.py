@@ -265,7 +265,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="diffusers pipeline folder")
     p.add_argument("--prompt", required=True, help="the prompt")
     p.add_argument("--negative-prompt", default=None, help="negative prompt of true CFG (default: the family's: ' ' "
-                   "for Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)")
+                   "for Qwen-Image, '' for SD3; none for FLUX.1, whose pipeline runs no CFG without one)")
     p.add_argument("--max-sequence-length", type=int, default=512, metavar="N", help="text tokens of the prompt: "
                    "the pipeline's max_sequence_length (default: 512)")
     add_renamed(p, "--n-samples-per-prompt", "--num-images", type=int, default=1, metavar="N",

@@ -97,6 +97,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return _sdpa(q, k, v, mask, None)
 
 
+@register("sdpa_heads_major", heads_major=True)
+def sdpa_heads_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch chooses the kernel for contiguous heads-major [B, H, S, D] q/k/v: what a diffusers processor that
+    `torch.cat`s the streams' heads-major views itself before calling SDPA hands it (`JointAttnProcessor2_0`, SD3)."""
+    return _sdpa(q, k, v, mask, None, heads_major=True)
+
+
 @register("math")
 def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The reference kernel pinned: diffusers' `_native_math`."""

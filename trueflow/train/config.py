@@ -99,10 +99,10 @@ class TrainConfig(BaseModel):
                                                       "guidance_scale; default: the family's)", "rollout", ge=0,
                                                 le=CFG_SCALE_MAX)
     negative_prompt: str | None = _f(None, "negative prompt of the CFG branch (default: the family's: ' ' for "
-                                           "Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)",
-                                     "rollout")
-    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 pads "
-                                       "T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
+                                           "Qwen-Image, '' for SD3; none for FLUX.1, whose pipeline runs no CFG "
+                                           "without one)", "rollout")
+    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 and "
+                                       "SD3 pad T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
