@@ -41,7 +41,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -52,7 +52,7 @@ from trueflow.models.qwen_image.presets import build_transformer, transformer_co
 from trueflow.engine.cuda_graph import GraphedForward
 from trueflow.engine.weights import build_engine_transformer
 from trueflow.models.qwen_image.patches import complex_fma
-from trueflow.patches import apply_patch_group, get_group
+from trueflow.models import apply_patch_group, get_group
 
 GOAL_SHAPE, GOAL_SPEEDUP = "1024x4", 1.2  # issue K: parity mode >= 1.2x diffusers `_native_flash` eager there
 
@@ -213,7 +213,8 @@ def fmt_speedups(r: dict) -> str:
 def goal_lines(results: list[dict]) -> list[str]:
     """Issue K's goals, each met or missed, from the rows that ran (a tie counts as not faster)."""
     ok = [r for r in results if "error" not in r]
-    parity = [r for r in ok if r["row"] in ("engine_parity_flash", "engine_parity_cudnn") and r.get("bitwise") is not False]
+    parity = [r for r in ok
+              if r["row"] in ("engine_parity_flash", "engine_parity_cudnn") and r.get("bitwise") is not False]
 
     def best(rows: list[dict], base: str, shape: str) -> dict | None:
         rows = [r for r in rows if r["shape"] == shape and f"speedup_vs_{base}" in r]
@@ -237,7 +238,8 @@ def goal_lines(results: list[dict]) -> list[str]:
                          f"{'met' if x >= need and not tie else 'missed'}")
     slower = [f"{r['row']} at {r['shape']} vs {b}" for r in parity for b in BASELINES
               if r.get(f"speedup_vs_{b}", 1.0) < 1.0 and not r.get(f"tie_vs_{b}")]
-    lines.append("parity mode never slower than a diffusers row: " + ("yes" if not slower else "no: " + "; ".join(slower)))
+    lines.append("parity mode never slower than a diffusers row: "
+                 + ("yes" if not slower else "no: " + "; ".join(slower)))
     return lines
 
 
@@ -301,7 +303,8 @@ def main() -> int:
     bench.info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
                   "device": torch.cuda.get_device_name() if bench.cuda else platform.processor(), "size": args.size,
                   "date": time.strftime("%Y-%m-%d"), "triton_kernels": kernels.ENABLED, "warmup": args.warmup,
-                  "repeats": args.repeats, "disabled_patches": args.disable_patch, "cudnn_version": torch.backends.cudnn.version() if bench.cuda else None}
+                  "repeats": args.repeats, "disabled_patches": args.disable_patch,
+                  "cudnn_version": torch.backends.cudnn.version() if bench.cuda else None}
     if kernels.HAS_TRITON:
         import triton
 

@@ -93,7 +93,10 @@ def resume(root: Path, smoke: bool) -> dict:
     (out / "checkpoints" / "latest").write_text("step-000002\n")
     saved = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     run_training(TrainConfig(**{**saved["config"], "output_dir": str(out), "resume": True}))
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
 
     def masters(ckpt: Path) -> dict:
         dcp_to_torch_save(ckpt / "dcp", ckpt / "masters.pt")

@@ -150,10 +150,10 @@ def speed(probe: ParityProbe, shapes: list[tuple[int, int]], device: str, warmup
         t_train = FAMILY.train.timestep(inp["timestep"], BF16)
         grid = inp["grid"]
 
-        def diffusers(model):
+        def diffusers(model, grid=grid):  # this shape's grid
             return lambda x, t, cond: train_forward(FAMILY, model, x, t, grid, cond, backend=backend)
 
-        def engine(fwd):
+        def engine(fwd, grid=grid):
             return lambda x, t, cond: fwd(hidden_states=x, timestep=t, grid=grid, **cond)
 
         train_inp = {**inp, "timestep": t_train}

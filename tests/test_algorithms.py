@@ -56,7 +56,7 @@ def snapshot_pairs(run) -> list[dict]:
     pairs = []
     for m, mg in enumerate(meta["microgroups"]):
         sigmas = tensors[f"mg{m}/sigmas"].double()
-        for slot, t in enumerate(mg["sde_steps"]):
+        for t in mg["sde_steps"]:
             for i, sample in enumerate(mg["sample_indices"]):
                 pairs.append({"sample": sample, "sigma": sigmas[t].item(), "dt": (sigmas[t + 1] - sigmas[t]).item(),
                               "x_t": tensors[f"mg{m}/step{t}/latents"][i].double(),

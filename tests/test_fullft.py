@@ -193,7 +193,8 @@ def test_sigkill_during_a_sharded_checkpoint_write_then_resume(qwen_one, tiny_ch
     mine, theirs = masters(ckpts / "step-000002"), masters(ref_out / "checkpoints" / "step-000002")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     export = "transformer/diffusion_pytorch_model.safetensors"
-    assert (ckpts / "step-000002" / export).read_bytes() == (ref_out / "checkpoints" / "step-000002" / export).read_bytes()
+    ref_ckpt = ref_out / "checkpoints" / "step-000002"
+    assert (ckpts / "step-000002" / export).read_bytes() == (ref_ckpt / export).read_bytes()
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank(two_ranks, qwen_one, tmp_path):
@@ -221,7 +222,8 @@ def test_checkpoints_are_pruned_and_their_size_is_stated(qwen_one):
     state = json.loads((ckpts / "step-000002" / "trainer_state.json").read_text())
     on_disk = {f: f.stat().st_size for f in (ckpts / "step-000002").rglob("*") if f.is_file()}
     assert state["size_bytes"] == sum(s for f, s in on_disk.items() if f.name not in ("trainer_state.json", "COMPLETE"))
-    assert state["export_bytes"] == on_disk[ckpts / "step-000002" / "transformer" / "diffusion_pytorch_model.safetensors"]
+    export = ckpts / "step-000002" / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert state["export_bytes"] == on_disk[export]
 
 
 def test_the_export_loads_in_diffusers_and_gives_the_engines_output(qwen_one, tiny_checkpoint):
@@ -318,6 +320,7 @@ def test_the_gpu_script_runs_its_cpu_smoke_path(tmp_path):
     finally:
         sys.path.pop(0)
     results = gpu_fullft.main(["all", "--root", str(tmp_path), "--smoke"])
-    assert results["full"]["steps"] == 3 and results["full"]["bitwise_every_step"] and results["full"]["checksums_equal"]
+    full = results["full"]
+    assert full["steps"] == 3 and full["bitwise_every_step"] and full["checksums_equal"]
     assert results["full"]["images_per_gpu_s"] > 0 and results["lora"]["images_per_gpu_s"] > 0
     assert results["resume"] == {"metrics_equal": True, "masters_equal": True, "export_equal": True}

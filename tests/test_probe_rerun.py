@@ -46,4 +46,4 @@ def test_another_familys_probe_saves_and_the_qwen_image_script_says_where_its_ch
 
 def test_the_rerun_script_imports_no_trueflow():
     source = RERUN.read_text()
-    assert "trueflow" not in "".join(l for l in source.splitlines() if l.startswith(("import", "from")))
+    assert "trueflow" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))

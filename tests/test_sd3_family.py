@@ -8,10 +8,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 from safetensors import safe_open
 

@@ -85,7 +85,8 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
     from trueflow.models import get_family
     from trueflow.train.model import train_forward
     from trueflow.models.qwen_image.train import model_timestep
-    from trueflow.engine.weights import load_engine_transformer, update_lora
+    from trueflow.engine.weights import load_engine_transformer
+    from trueflow.models.lora import update_lora
 
     out, _ = embedded_run
     ckpt = latest_checkpoint(out)
@@ -123,7 +124,10 @@ def assert_same_metrics(rows: list[dict], embedded: list[dict]) -> None:
     one-process run. Only sums over sharded or per-rank pieces (grad norm, mean loss) are added in another order,
     so they agree to float rounding."""
     order_dependent = ("grad_norm", "loss", "kl")
-    exact = lambda rs: [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+
+    def exact(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+
     assert exact(rows) == exact(embedded)
     for r, e in zip(rows, embedded):
         for k in order_dependent:

@@ -115,7 +115,8 @@ def _generate(checkpoint: Path, out: Path, group: str, *extra: str, images: int 
     size = str(SIZES["ti2v" if "ti2v" in checkpoint.name else "a14b"])
     _stdout(["generate", "--checkpoint", str(checkpoint), "--prompt", "a red apple", "--n-samples-per-prompt",
              str(images), "--num-frames", "5", "--resolution", size, "--steps", "2", "--sampler", "sde",
-             "--cfg-scale", "4", "--patch-group", group, "--snapshot", str(out / "s.safetensors"), "--output-dir", str(out), *extra])
+             "--cfg-scale", "4", "--patch-group", group, "--snapshot", str(out / "s.safetensors"), "--output-dir",
+             str(out), *extra])
     return out / "s.safetensors"
 
 

@@ -47,7 +47,7 @@ def _check_engine_options(a: argparse.Namespace, fam: ModelFamily) -> None:
     """The patch group (default: the family's parity group; another family's refused), the patches switched off,
     the thread count: `a` is updated in place."""
     from .models import patch_group_for
-    from .patches import get_group
+    from .models import get_group
 
     a.patch_group = patch_group_for(fam, a.patch_group)
     if a.disable_patch:
@@ -181,7 +181,8 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-len", type=int, default=7, metavar="L", help="text tokens per sample (default: 7)")
     p.add_argument("--resolution", type=int, default=64, metavar="PX", help="image side in pixels, a multiple of "
                    "the family's granule (default: 64)")
-    p.add_argument("--lora-rank", type=int, default=0, help="add a PEFT LoRA of this rank with non-zero B (default: none)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="add a PEFT LoRA of this rank with non-zero B (default: none)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
     p.add_argument("--lora-merge-mode", choices=("unmerged", "merged"), default=None,
                    help="how the engine takes the LoRA (default: the patch group's choice)")
@@ -404,7 +405,7 @@ def _add_patches(p: argparse.ArgumentParser) -> None:
 
 def _run_patches(a: argparse.Namespace) -> int:
     from .models import default_family, family_for_patch_group, get_family, patch_group_for
-    from .patches import get_group
+    from .models import get_group
 
     if a.family is not None:
         name = patch_group_for(get_family(a.family), a.patch_group)
@@ -537,15 +538,19 @@ def _run_serve(a: argparse.Namespace) -> int:
 
 
 VERBS = {
-    "init-checkpoint": ("write a tiny diffusers-format checkpoint with seeded random weights", _add_init_checkpoint, _run_init_checkpoint),
-    "parity": ("compare the engine's forward with the train side's, bitwise, with a per-layer report", _add_parity, _run_parity),
+    "init-checkpoint": ("write a tiny diffusers-format checkpoint with seeded random weights", _add_init_checkpoint,
+                        _run_init_checkpoint),
+    "parity": ("compare the engine's forward with the train side's, bitwise, with a per-layer report", _add_parity,
+               _run_parity),
     "generate": ("generate images of one prompt with the rollout engine, optionally with a trained LoRA (PNGs or "
                  "MP4s, settings.json, optional snapshot)", _add_generate, _run_generate),
-    "train": ("GRPO training: rollouts, rewards, PPO-clip, LoRA sync, parity at every optimizer step", _add_train, _run_train),
+    "train": ("GRPO training: rollouts, rewards, PPO-clip, LoRA sync, parity at every optimizer step", _add_train,
+              _run_train),
     "patches": ("list the patches of a rollout patch group", _add_patches, _run_patches),
     "reward": ("score one image for a prompt with a reward", _add_reward, _run_reward),
     "reward-serve": ("serve a reward over HTTP, batching concurrent requests", _add_reward_serve, _run_reward_serve),
-    "serve": ("serve the rollout engine over HTTP: rollouts, OpenAI-style images, weight updates", _add_serve, _run_serve),
+    "serve": ("serve the rollout engine over HTTP: rollouts, OpenAI-style images, weight updates", _add_serve,
+              _run_serve),
 }
 # A name that left a verb because it means something else in another: the hint its refusal gives.
 MOVED = {("serve", "--max-batch"): "serve's bound on samples per request is --max-samples (--max-batch is "

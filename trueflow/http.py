@@ -64,7 +64,7 @@ def timed_protocol(header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float
         def _expired(self, what: str, timeout: float) -> None:
             self._deadline = self._waiting_for = None
             if not self.transport.is_closing():
-                client = "%s:%d" % self.client if self.client else "a client"
+                client = "{}:{}".format(*self.client) if self.client else "a client"
                 self.logger.warning("%s: connection dropped, its request's %s did not arrive within %g s", client,
                                     what, timeout)
                 self.transport.close()

@@ -26,6 +26,7 @@ from ..models.spec import Expert, Grid, ModelFamily, expert_at, expert_prefix, s
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
 from ..sync.full_weights import weights_checksum
+from ..models import lora
 from ..models.weight_map import OwnedWeights
 from . import weights
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
@@ -61,7 +62,7 @@ class ModelRunner:
         if len(self.transformers) > 1:
             parts = split_by_expert(unpack(state) if isinstance(state, list) else state, self.names)
             for model, part in zip(self.transformers, parts):
-                weights.update_lora(model, part, scale, merge_mode, check_only=True)
+                lora.update_lora(model, part, scale, merge_mode, check_only=True)
             for model, part in zip(self.transformers, parts):
                 self._update_one(model, part, scale, merge_mode)
         else:
@@ -78,7 +79,7 @@ class ModelRunner:
             update_lora_packed(model, buckets, scale, merge_mode)
         else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
             model.lora_arena = None
-            weights.update_lora(model, state, scale, merge_mode)
+            lora.update_lora(model, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace every expert's weights (diffusers names, `expert_prefix`ed after the first expert); all or nothing:
@@ -101,14 +102,14 @@ class ModelRunner:
     def lora_checksum(self) -> str:
         if len(self.transformers) == 1:
             return lora_checksum(self.transformer)
-        return tensors_checksum(self._prefixed(weights.lora_state))
+        return tensors_checksum(self._prefixed(lora.lora_state))
 
     def weights_checksum(self) -> str:
         """`sync.full_weights.weights_checksum` of every expert's weights read back under diffusers' names, and its
         LoRA: what the trainer's checksum of a full-weight update equals once the update is in place."""
         scales = {a.scale for t in self.transformers for m in t.modules() if isinstance(m, Linear)
                   for a in m.adapters if a}
-        return weights_checksum(self._prefixed(weights.full_state), self._prefixed(weights.lora_state), scales)
+        return weights_checksum(self._prefixed(weights.full_state), self._prefixed(lora.lora_state), scales)
 
     def _prefixed(self, tensors_of: Callable[[nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every expert's tensors under its `expert_prefix` names."""

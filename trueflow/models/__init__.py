@@ -13,6 +13,9 @@ import json
 import pkgutil
 from pathlib import Path
 
+from torch import nn
+
+from ..patches import PatchGroup
 from .spec import Expert, ModelFamily
 
 
@@ -130,3 +133,36 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
         raise ValueError(f"{flag} {group} is the {owner.name} family's group, and this is a {family.name} "
                          f"checkpoint: use {flag} {parity_group(family)} (or none)")
     return group
+
+
+def get_group(name: str) -> PatchGroup | None:
+    """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
+    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend."""
+    family = family_for_patch_group(name)
+    if family is None:
+        return None
+    group, _, train_backend = name.partition(":")
+    spec = family.patch_groups[group]
+    return spec.make(train_backend) if train_backend else spec.group
+
+
+def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Apply group `name` to a built engine model, except the patches in `disabled`. Returns the applied names."""
+    group = get_group(name)
+    if group is None:
+        if disabled:
+            raise ValueError(f"--disable-patch {', '.join(disabled)} needs a patch group; "
+                             f"--patch-group none applies no patches")
+        model.patches_applied = []
+        return []
+    unknown = sorted(set(disabled) - set(group.patch_names))
+    if unknown:
+        raise ValueError(f"unknown patch(es) {', '.join(unknown)} for group {name!r}; "
+                         f"its patches are: {', '.join(group.patch_names)}")
+    applied = []
+    for patch in group.patches:
+        if patch.name not in disabled:
+            patch.apply(model)
+            applied.append(patch.name)
+    model.patches_applied = applied
+    return applied

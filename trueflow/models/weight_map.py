@@ -285,7 +285,8 @@ def _adapter(layer: Linear, A: torch.Tensor, B: torch.Tensor, scale: float) -> L
     return LoraAdapter(A.to(w.device, w.dtype, copy=True), B.to(w.device, w.dtype, copy=True), scale)
 
 
-MERGE_MARGIN = 1 - 1e-3  # of the merged-weight bound below the dtype's range: room for fp32 rounding in the merge's sums
+# of the merged-weight bound below the dtype's range: room for fp32 rounding in the merge's sums
+MERGE_MARGIN = 1 - 1e-3
 
 
 def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:

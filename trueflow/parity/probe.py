@@ -17,10 +17,10 @@ from .. import loading
 from ..dtypes import torch_dtype
 from ..engine.guidance import check_guidance, guide
 from ..files import publish
-from ..engine.weights import build_engine_transformer, update_lora
-from ..models import checkpoint_experts, family_for_checkpoint, family_for_config, get_family
+from ..engine.weights import build_engine_transformer
+from ..models.lora import update_lora
+from ..models import checkpoint_experts, family_for_checkpoint, family_for_config, get_family, get_group
 from ..models.spec import ModelFamily
-from ..patches import get_group
 from ..train import model as train_model
 from .layers import LayerDiff, capture, compare, engine_targets
 

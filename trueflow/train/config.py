@@ -151,7 +151,9 @@ class TrainConfig(BaseModel):
     ema_decay: float = _f(0.0, "EMA of the LoRA (0: off); checkpoints keep it and sample grids show it too",
                           "optim", ge=0, lt=1)
     max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0, le=1e6)
-    optimizer: Literal["adamw", "adamw_bf16"] = _f("adamw", "adamw (fp32 moments) or adamw_bf16 (moments stored in bf16: half the optimizer state; train/optim.py)", "optim")
+    optimizer: Literal["adamw", "adamw_bf16"] = _f(
+        "adamw", "adamw (fp32 moments) or adamw_bf16 (moments stored in bf16: half the optimizer state; "
+        "train/optim.py)", "optim")
     ema_offload: bool = _f(False, "keep the EMA (--ema-decay) in CPU memory, each rank its shards", "optim")
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
@@ -182,7 +184,9 @@ class TrainConfig(BaseModel):
                                                               "parallel")
     micro_batch_size_sample: int = _f(4, "samples per train micro-batch", "parallel", ge=1)
     micro_batch_size_tstep: int = _f(1, "denoising steps per train micro-batch", "parallel", ge=1)
-    gpu_memory_gib: float | None = _f(None, "plan the run's memory against GPUs of this many GiB (default on CUDA: the device's; on CPU: no plan)", "parallel", gt=0)
+    gpu_memory_gib: float | None = _f(
+        None, "plan the run's memory against GPUs of this many GiB (default on CUDA: the device's; on CPU: no plan)",
+        "parallel", gt=0)
     pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
                                  "parallel", ge=1)
     # checkpoint
@@ -407,7 +411,7 @@ class TrainConfig(BaseModel):
         import torch
 
         from ..engine.guidance import check_guidance, check_negative_prompt
-        from ..patches import get_group
+        from ..models import get_group
         from .prompts import load_prompts
 
         load_prompts(self.prompts)
@@ -475,7 +479,7 @@ class TrainConfig(BaseModel):
         pair)."""
         fam, group, backend = self._family_choices()
         if group in fam.patch_groups and backend != fam.train.parity_backend:
-            from ..patches import get_group
+            from ..models import get_group
 
             paired = f"{group}:{backend}"
             try:
@@ -494,8 +498,9 @@ class TrainConfig(BaseModel):
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
                        f"bitwise (use --patch-group {next(iter(fam.patch_groups))})")
         if self.tp > 1 and self.train_tp_match != self.tp:
-            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel forward sums each row-parallel "
-                       "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
+            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel "
+                       "forward sums each row-parallel layer's shards, which the stock train side does not "
+                       "(docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
         # Later steps train on moved weights by design; what condition 1 guards is the measured mismatch. With
@@ -560,10 +565,12 @@ class TrainConfig(BaseModel):
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
                                "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
-                               "reward_placement", "gradient_checkpointing", "gpu_memory_gib", "ray", "world_size", "ray_address",
+                               "reward_placement", "gradient_checkpointing", "gpu_memory_gib", "ray", "world_size",
+                               "ray_address",
                                "rollout_gpus", "train_gpus"})
-RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
+# None: the family's
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:

@@ -144,7 +144,10 @@ def save(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str,
 def _sizes(folder: Path, experts: list[str]) -> dict[str, int]:
     """The bytes of a checkpoint's files (those written so far: all but trainer_state.json and COMPLETE, a few
     hundred bytes): in all, its DCP shards and metadata, its diffusers export."""
-    size = lambda files: sum(f.stat().st_size for f in files if f.is_file())
+
+    def size(files) -> int:
+        return sum(f.stat().st_size for f in files if f.is_file())
+
     export = size(folder / e / WEIGHTS_FILE for e in experts)
     return {"size_bytes": size(folder.rglob("*")), "dcp_bytes": size((folder / DCP_DIR).rglob("*")),
             "export_bytes": export}

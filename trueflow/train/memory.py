@@ -192,7 +192,7 @@ def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121) -
         per_param = [4 + bytes_per_trained_param(s) for s in (base, lean)]
         sharded = (4 * m.params + bytes_per_trained_param(base) * m.trained) / 8 / GIB
 
-        def fewest(ck: bool) -> str:
+        def fewest(ck: bool, m=m, tokens=tokens) -> str:  # this family's, called in this iteration
             return "; ".join(str(smallest_ranks(m, Setting(rows=micro_batch, tokens=tokens, optimizer=o,
                                                            checkpointing=ck), gpu) or "none")
                              for o in ("adamw", "adamw_bf16"))

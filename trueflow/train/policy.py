@@ -1,5 +1,5 @@
-"""The policy being trained: the model family's diffusers transformer + a PEFT LoRA, sharded with FSDP2 under the precision
-contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
+"""The policy being trained: the model family's diffusers transformer + a PEFT LoRA, sharded with FSDP2 under the
+precision contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
 frozen base stored as its bf16 compute copy (value-identical to casting fp32 masters each step, half the memory).
 The model itself knows nothing of parallelism; `shard` applies FSDP2 to the built model.
 

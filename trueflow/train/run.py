@@ -23,7 +23,8 @@ DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
     """The default checkpoint: made once (of `cfg.family`, else the default family), so `trueflow train` runs with
     no arguments."""
-    if is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "model_index.json").is_file():
+    if (is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT
+            and not (DEFAULT_CHECKPOINT / "model_index.json").is_file()):
         from ..checkpoints import init_checkpoint
 
         init_checkpoint(DEFAULT_CHECKPOINT, family=cfg.family, seed=0, overwrite=True)

@@ -82,7 +82,8 @@ class Trainer:
             raise ValueError(f"--lora-experts {', '.join(unknown)}: not an expert of {cfg.checkpoint} (its experts: "
                              f"{', '.join(self.experts)})")
         self.trained = set(cfg.lora_experts or self.experts)
-        self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
+        self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                  target_modules=tuple(cfg.lora_target_modules))
         if cfg.use_lora:
             self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
                                            self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing,

@@ -12,7 +12,7 @@ from accelerate import init_empty_weights
 from diffusers import QwenImageTransformer2DModel
 from torch import nn
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 
 _FULL: dict[str, Any] = {
     "patch_size": 2,
@@ -65,6 +65,7 @@ def build_transformer(
         model = QwenImageTransformer2DModel(**config)
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
+            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                      p.requires_grad))
     init_weights_(model, seed, device)
     return model.eval()  # the model has no buffers, so nothing else needs casting to `dtype`

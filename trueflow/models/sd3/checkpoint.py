@@ -22,7 +22,7 @@ from tokenizers import pre_tokenizers
 from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
                           T5TokenizerFast)
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 from .presets import build_transformer
 from .scheduler_config import SD3_SCHEDULER_CONFIG
 

@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 from diffusers import SD3Transformer2DModel
 from torch import nn
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 
 _FULL: dict[str, Any] = {
     "sample_size": 128,

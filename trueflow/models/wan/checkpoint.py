@@ -24,7 +24,7 @@ import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 from .presets import LAYOUT_OF_SIZE, build_transformer, transformer_config
 from .scheduler_config import A14B_FLOW_SHIFT, TI2V_FLOW_SHIFT
 

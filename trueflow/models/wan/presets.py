@@ -19,7 +19,7 @@ from accelerate import init_empty_weights
 from diffusers import WanTransformer3DModel
 from torch import nn
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 from .transformer import KEEP_IN_FP32
 
 _A14B: dict[str, Any] = {
