@@ -41,7 +41,9 @@ class PatchGroup:
 
 def get_group(name: str) -> PatchGroup | None:
     """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
-    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend."""
+    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
+    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `batch_invariant_patch`."""
+    from .kernels.batch_invariant import BACKEND
     from .models import family_for_patch_group
 
     family = family_for_patch_group(name)
@@ -49,7 +51,27 @@ def get_group(name: str) -> PatchGroup | None:
         return None
     group, _, train_backend = name.partition(":")
     spec = family.patch_groups[group]
+    if train_backend == BACKEND:
+        return PatchGroup(spec.group.name, (*spec.group.patches, BATCH_INVARIANT_PATCH))
     return spec.make(train_backend) if train_backend else spec.group
+
+
+def _batch_invariant(model: nn.Module) -> None:
+    """The batch-invariant mode (docs/patch-group.md): this process's GEMMs on the batch-invariant kernels
+    (`kernels.batch_invariant.enable`, process-wide: the engine's process is where it runs), every attention call of
+    the model on the `batch_invariant` kernel, and the model marked, so its runner may batch what the mode makes
+    batch-invariant (the CFG branches, several prompts' microgroups)."""
+    from .kernels import batch_invariant
+    from .layers.attention import set_kernel
+
+    batch_invariant.enable()
+    set_kernel(model, batch_invariant.KERNEL)
+    model.batch_invariant = True
+
+
+BATCH_INVARIANT_PATCH = Patch("batch_invariant", "batch-invariant GEMMs and per-sample attention over each sample's "
+                                                 "own keys (the train side's trueflow_batch_invariant backend)",
+                              _batch_invariant)
 
 
 def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
