@@ -43,6 +43,9 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     add_engine_options(p, default_patch_group="none")
     p.add_argument("--batch", type=int, default=1, help="batch (microgroup) size (default: 1)")
     p.add_argument("--text-len", type=int, default=7, help="text tokens per sample (default: 7)")
+    p.add_argument("--train-micro-batch", type=int, default=None, metavar="N",
+                   help="run the train side in micro-batches of N samples against the engine's one batch: bitwise "
+                        "only in the batch-invariant mode (default: the whole batch, as a microgroup)")
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels (default: 64)")
     p.add_argument("--lora-rank", type=int, default=0, help="add a PEFT LoRA of this rank with non-zero B (default: none)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
@@ -64,20 +67,22 @@ def _run_parity(a: argparse.Namespace) -> int:
     from .parity.probe import ParityProbe, ProbeSpec
     from .parity.report import format_ablation, format_result
 
+    group = _patch_group(a)
     spec = ProbeSpec(checkpoint=a.checkpoint, random_size=a.random_size, batch=a.batch, text_len=a.text_len,
                      resolution=a.resolution, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, dtype=a.dtype,
                      seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
-                     layer_report=a.layer_report)
+                     layer_report=a.layer_report, batch_invariant=a.batch_invariant,
+                     train_micro_batch=a.train_micro_batch)
     if a.tp != 1 or a.train_tp_match is not None:
         from .parity.tp import run_tp_probe
 
         if a.ablate or a.save:
             raise ValueError("--ablate and --save run at --tp 1; drop them or --tp")
-        result, ablation = run_tp_probe(spec, a.tp, a.train_tp_match, a.patch_group, tuple(a.disable_patch)), None
+        result, ablation = run_tp_probe(spec, a.tp, a.train_tp_match, group, tuple(a.disable_patch)), None
     else:
         probe = ParityProbe(spec)
-        result, engine_output = probe.run(a.patch_group, tuple(a.disable_patch))
-        ablation = probe.ablate(a.patch_group) if a.ablate else None
+        result, engine_output = probe.run(group, tuple(a.disable_patch))
+        ablation = probe.ablate(group) if a.ablate else None
         if a.save:
             probe.save(a.save, result, engine_output)
     if a.json:
@@ -334,11 +339,18 @@ def _run_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def _patch_group(a: argparse.Namespace) -> str:
+    """`--patch-group`, in the batch-invariant mode's form with `--batch-invariant`."""
+    from .patches import batch_invariant_group
+
+    return batch_invariant_group(a.patch_group) if a.batch_invariant else a.patch_group
+
+
 def _engine_placement(a: argparse.Namespace, **spec: object) -> tuple:
     """(EngineSpec, Placement) of a verb's engine options: in this process, or over `--tp` processes of its own."""
     from .placement import EngineSpec, Placement
 
-    engine = EngineSpec(a.checkpoint, a.patch_group, tuple(a.disable_patch), a.dtype, a.device, **spec)
+    engine = EngineSpec(a.checkpoint, _patch_group(a), tuple(a.disable_patch), a.dtype, a.device, **spec)
     return engine, Placement("process" if a.tp > 1 else "local", tp=a.tp)
 
 

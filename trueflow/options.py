@@ -14,6 +14,9 @@ def add_engine_options(p: argparse.ArgumentParser, default_patch_group: str = "n
                         f"train-exact (default: {default_patch_group})")
     p.add_argument("--disable-patch", action="append", default=[], metavar="NAME",
                    help="switch one patch of the group off (repeatable); see `trueflow patches`")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant parity mode: batch-invariant GEMMs and per-sample attention on both sides, "
+                        "so parity holds whatever the batch shapes and text lengths (docs/patch-group.md)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype of both sides (default: bf16)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")

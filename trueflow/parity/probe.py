@@ -36,6 +36,8 @@ class ProbeSpec:
     lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
     layer_report: str = "all"  # "blocks": only top-level modules and whole blocks (less memory at full size)
     family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
+    batch_invariant: bool = False  # the train side on the batch-invariant backend (pair: `group:trueflow_batch_invariant`)
+    train_micro_batch: int | None = None  # the train side in micro-batches of this many samples (None: one batch)
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
@@ -95,7 +97,14 @@ class ParityProbe:
             train_model.add_lora(self.train, spec_l, b_init_std=s.lora_b_std, seed=s.seed + 1)
             self.lora = (train_model.lora_state_dict(self.train), spec_l.scale)
         self.inputs = self.family.probe_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed, device)
-        self.train_backend = self.family.train.backend(dtype)
+        if s.train_micro_batch is not None and s.train_micro_batch < 1:
+            raise ValueError(f"--train-micro-batch must be >= 1, got {s.train_micro_batch}")
+        if s.batch_invariant:
+            from ..train.batch_invariant import register_backend
+
+            self.train_backend = register_backend()
+        else:
+            self.train_backend = self.family.train.backend(dtype)
         self._train_forward()
 
     def set_inputs(self, inputs: dict) -> None:
@@ -107,11 +116,12 @@ class ParityProbe:
     def _train_forward(self) -> None:
         names = {n: [(n, None)] for n in _report_names(self.family, self.config, self.spec.layer_report)}
         train = self.family.train
+        i, size = self.inputs, self.spec.train_micro_batch or self.inputs["hidden_states"].shape[0]
+        timestep = train.timestep(i["timestep"], self.spec.torch_dtype())
         with torch.no_grad(), capture(self.train, names) as seen:
-            i = self.inputs
-            self.train_output = train_model.train_forward(
-                self.family, self.train, i["hidden_states"], train.timestep(i["timestep"], self.spec.torch_dtype()),
-                i["grid"], i["cond"], backend=self.train_backend)
+            self.train_output = torch.cat([train_model.train_forward(
+                self.family, self.train, i["hidden_states"][r], timestep[r], i["grid"], _rows(i["cond"], r),
+                backend=self.train_backend) for r in _chunks(i["hidden_states"].shape[0], size)])
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):
@@ -202,6 +212,15 @@ class ParityProbe:
         }
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
         return out
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _rows(cond: dict, rows: slice) -> dict:
+    """A micro-batch's conditioning: every batched entry's rows (a stream keeps the batch's padding and mask)."""
+    return {k: None if v is None else v[rows] for k, v in cond.items()}
 
 
 def _report_names(family: ModelFamily, config: dict, layer_report: str) -> list[str]:

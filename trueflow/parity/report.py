@@ -12,7 +12,9 @@ def _fmt(x: float | None) -> str:
 def format_result(spec: ProbeSpec, r: ProbeResult, max_layers: int = 12) -> str:
     src = spec.checkpoint or f"random {spec.random_size}"
     lines = [
-        f"parity probe: {src}  batch {spec.batch}  text {spec.text_len}  {spec.resolution}px  {spec.dtype}  "
+        f"parity probe: {src}  batch {spec.batch}"
+        + (f" (train micro-batches of {spec.train_micro_batch})" if spec.train_micro_batch else "")
+        + f"  text {spec.text_len}  {spec.resolution}px  {spec.dtype}  "
         f"LoRA rank {spec.lora_rank or '-'}  device {spec.device}",
         f"  patch group {r.patch_group}" + (f" (disabled: {', '.join(r.disabled_patches)})" if r.disabled_patches else ""),
         f"  attention: train {r.train_attention_backend}, engine {r.engine_attention_backend}",
