@@ -301,6 +301,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "checkpoints weight updates may name by path (default: none; path updates are refused)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each (on CUDA "
                    "rank r on GPU r; docs/tensor-parallel.md; default: 1, in this process)")
+    p.add_argument("--max-merged", type=int, default=8, metavar="N", help="with --batch-invariant: most rollouts run "
+                   "at once with their forwards merged into one batch (default: 8)")
     # The defaults are `server.Limits`' (a test keeps them equal; importing it here would load torch).
     for flags, dest, kind, default, what in [
             (("--max-steps",), "max_steps", int, 100, "most denoising steps per sample"),
@@ -323,6 +325,8 @@ def _run_serve(a: argparse.Namespace) -> int:
 
     limits = Limits(a.max_steps, a.max_pixels, a.max_frames, a.max_prompt_tokens, a.max_samples, a.max_queue,
                     a.request_timeout)  # checked before the engine loads
+    if a.max_merged < 1:
+        raise ValueError(f"--max-merged must be >= 1, got {a.max_merged}")
     if a.weights_root is not None and not os.path.isdir(a.weights_root):
         raise FileNotFoundError(f"--weights-root {a.weights_root}: no such folder")
     if a.tp > 1 and a.device.startswith("cuda"):  # rank r takes GPU r
@@ -335,7 +339,7 @@ def _run_serve(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     # --seed: the seed of OpenAI-style requests that name none (rollout requests always carry their own)
     serve(*_engine_placement(a, threads=torch.get_num_threads()), host=a.host, port=a.port, limits=limits,
-          default_seed=a.seed, weights_root=a.weights_root)
+          default_seed=a.seed, weights_root=a.weights_root, max_merged=a.max_merged)
     return 0
 
 

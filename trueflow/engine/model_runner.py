@@ -1,7 +1,7 @@
 """The model runner: one engine transformer (CUDA-graphed on CUDA) and the denoise loop of one microgroup over it.
 
-Each step runs two separate branch forwards (positive, then negative), true CFG, then an ODE step or, inside the
-SDE window, a stochastic step with its log-prob. Everything family-specific (the conditioning's streams, the
+Each step runs two separate branch forwards (positive, then negative; in the batch-invariant mode one forward of
+both), true CFG, then an ODE step or, inside the SDE window, a stochastic step with its log-prob. Everything family-specific (the conditioning's streams, the
 initial noise's layout and its packing into tokens, the latents' dtype, what the pipeline makes of the model's
 output) comes from the model family.
 """
@@ -13,13 +13,14 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ..collate import Cond, collate_cond
+from ..collate import Cond, collate_cond, concat_cond
 from ..layers.linear import Linear
 from ..models.spec import Grid, ModelFamily
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
 from . import weights
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
+from .batcher import ForwardBatcher
 from .cuda_graph import GraphedForward
 from .guidance import true_cfg
 from .interface import RolloutCancelled
@@ -35,7 +36,24 @@ class ModelRunner:
     def __init__(self, transformer: torch.nn.Module, family: ModelFamily, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True):
         self.transformer, self.family, self.device, self.dtype = transformer, family, device, dtype
-        self.forward = GraphedForward(transformer, enabled=cuda_graphs and device.type == "cuda")
+        self.forward: Callable[..., torch.Tensor] = GraphedForward(transformer,
+                                                                   enabled=cuda_graphs and device.type == "cuda")
+        # The batch-invariant mode (its patch marks the model): a branch's rows are the bits of its own call there, so
+        # the CFG branches run as one forward, and several rollouts' forwards may merge (`merge_forwards`).
+        self.batch_invariant = bool(getattr(transformer, "batch_invariant", False))
+        self.batcher: ForwardBatcher | None = None
+
+    def merge_forwards(self) -> ForwardBatcher:
+        """From now on, rollouts run concurrently (each inside `batcher.participant()`) share one forward per round
+        (`engine.batcher`); batch-invariant mode only. A rollout alone keeps its CUDA graphs; a merged batch runs
+        eagerly (its shape changes with what merges: a graph per composition would not pay)."""
+        if not self.batch_invariant:
+            raise ValueError("merging rollouts' forwards needs the batch-invariant mode (--batch-invariant): outside "
+                             "it a sample's bits depend on the batch it runs in")
+        if self.batcher is None:
+            self.batcher = ForwardBatcher(self.forward, self.transformer, self.family.pipeline.text_streams)
+            self.forward = self.batcher
+        return self.batcher
 
     # -- weights -------------------------------------------------------------------------------------------
     def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
@@ -70,15 +88,18 @@ class ModelRunner:
 
     # -- denoise loop --------------------------------------------------------------------------------------
     def denoise(self, p: int, sample_indices: list[int], gens: list[torch.Generator],
-                conds: tuple[Cond, Cond | None], grid: Grid,
+                conds: tuple[Cond | list[Cond], Cond | None], grid: Grid,
                 schedule: tuple[torch.Tensor, torch.Tensor], params: SamplingParams, sde_steps: list[int],
                 record: bool, bar: tqdm, should_stop: Callable[[], bool] | None = None) -> Microgroup:
         """One microgroup of prompt `p` through the whole denoise loop; `gens[i]` is sample i's generator;
-        `conds` the prompt's positive and negative conditioning, one sample's entries (no batch dim)."""
+        `conds` the prompt's positive and negative conditioning, one sample's entries (no batch dim); the positive one
+        may be a list, one entry per sample (several prompts in one microgroup: the batch-invariant mode)."""
         b, (sigmas, timesteps) = len(gens), schedule
         pipe = self.family.pipeline
-        # One prompt per microgroup: every row has the same length, so every mask collapses to None.
-        pos = collate_cond([conds[0]] * b, pipe.text_streams)
+        # One prompt per microgroup: every row has the same length, so every mask collapses to None. (In the
+        # batch-invariant mode a microgroup may hold several prompts, one entry per sample, collated with a mask.)
+        positive = conds[0] if isinstance(conds[0], list) else [conds[0]] * b
+        pos = collate_cond(positive, pipe.text_streams)
         neg = collate_cond([conds[1]] * b, pipe.text_streams) if conds[1] is not None else None
         static = pipe.static_inputs(params) if pipe.static_inputs is not None else {}
         # The pipeline's prepare_latents: drawn in the latent dtype, then packed into tokens. Made contiguous: a
@@ -96,8 +117,7 @@ class ModelRunner:
             t = timesteps[i].expand(b, *timesteps.shape[1:])
             # The model reads the latents in its own dtype (a no-op where the pipeline keeps them in it).
             model_input = x.to(self.dtype)
-            pos_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **static, **pos)
-            neg_out = self.forward(hidden_states=model_input, timestep=t, grid=grid, **static, **neg) if neg else None
+            pos_out, neg_out = self._branches(model_input, t, grid, static, pos, neg)
             v = true_cfg(pos_out, neg_out, params.cfg_scale) if neg_out is not None else pos_out
             if pipe.model_output is not None:
                 v = pipe.model_output(v, x, sigmas[i])
@@ -123,3 +143,16 @@ class ModelRunner:
             latents=torch.stack(latents), sigmas=sigmas, timesteps=timesteps, log_probs=log_probs,
             sde_steps=sde_steps, guided_outputs=torch.stack(guided) if guided else x.new_empty(0, *x.shape),
             cond=pos, negative_cond=neg, static=static, records=records)
+
+    def _branches(self, x: torch.Tensor, t: torch.Tensor, grid: Grid, static: dict, pos: Cond,
+                  neg: Cond | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The CFG branches' model outputs: two separate forwards (parity needs them: a batch of both runs other GEMM
+        shapes), or in the batch-invariant mode one forward of both, whose rows are the two calls' bits."""
+        if neg is None:
+            return self.forward(hidden_states=x, timestep=t, grid=grid, **static, **pos), None
+        if not self.batch_invariant:
+            return (self.forward(hidden_states=x, timestep=t, grid=grid, **static, **pos),
+                    self.forward(hidden_states=x, timestep=t, grid=grid, **static, **neg))
+        both = self.forward(hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]), grid=grid, **static,
+                            **concat_cond([pos, neg], self.family.pipeline.text_streams))
+        return both[:x.shape[0]], both[x.shape[0]:]

@@ -29,7 +29,7 @@ def end_engine(engine: RolloutEngine, worker: Worker) -> None:
 
 
 def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: Limits = Limits(),
-          default_seed: int = 0, weights_root: str | None = None) -> None:
+          default_seed: int = 0, weights_root: str | None = None, max_merged: int = 8) -> None:
     """Builds the engine once through the placement factory (with `placement.tp` > 1 a tensor-parallel engine, a
     process per rank, each with `spec.threads` intra-op threads), then serves it until SIGTERM or SIGINT: then it
     takes no more work, stops the running rollout at its next step, answers the waiting requests 503, ends the
@@ -41,7 +41,7 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
     try:
         engine = build_engine(spec, placement)
         # An engine in other processes runs `spec.threads`; an in-process one, whatever its worker thread has.
-        app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads)
+        app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads, max_merged)
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
