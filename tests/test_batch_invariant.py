@@ -205,6 +205,15 @@ def test_attention_gradients_match_masked_sdpa():
     assert torch.autograd.gradcheck(lambda q, k, v: BI.attention(q, k, v, small)[:, [0, 1, 3]], (qd, kd, vd))
 
 
+def test_set_kernel_refuses_a_model_that_bypasses_the_dispatcher():
+    """A model whose attention does not go through `layers.attention` (no module names its kernel in `backend`)
+    cannot be put on the mode's kernel: refused in one line rather than left on its own kernel."""
+    with pytest.raises(ValueError, match="no module whose attention goes through the shared dispatcher"):
+        A.set_kernel(torch.nn.Sequential(torch.nn.Linear(2, 2)), "batch_invariant")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        A.set_kernel(torch.nn.Sequential(), "nope")
+
+
 def test_diffusers_dispatch_runs_the_backend():
     """The backend is one of diffusers' own: its dispatch, its `attention_backend` context and a model's
     `set_attention_backend` take the name, and the call reaches the same function as the engine's kernel."""

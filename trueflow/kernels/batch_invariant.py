@@ -225,15 +225,17 @@ def key_validity(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tens
     if mask.dim() != 4 or mask.shape[-1] != keys or mask.shape[0] not in (1, batch):
         raise ValueError(f"the batch-invariant attention takes a key mask [B, L] or [B, 1, 1, L]; got "
                          f"{tuple(mask.shape)} for {batch} samples of {keys} keys")
+    # The checks read values back (a host sync), which a CUDA graph capture cannot: it records the call as it is.
+    check = not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
     if mask.dtype == torch.bool:
         valid = mask
     else:
         valid = mask == 0
-        if not bool((valid | (mask <= MASKED_AT)).all()):
+        if check and not bool((valid | (mask <= MASKED_AT)).all()):
             raise ValueError("the batch-invariant attention takes an additive mask of 0 (attend) and "
                              f"<= {MASKED_AT:g} (masked) only, not a general attention bias")
     flat = valid.expand(batch, *valid.shape[1:]).flatten(1, 2)  # [B, H·S, L]
-    if not bool((flat == flat[:, :1]).all()):
+    if check and not bool((flat == flat[:, :1]).all()):
         raise ValueError("the batch-invariant attention takes a key mask that is the same for every head and query")
     return flat[:, 0]
 
