@@ -320,7 +320,8 @@ def test_a_microgroup_of_several_prompts(tiny_engine, bi_mode, monkeypatch):
     engine = tiny_engine
     params = SamplingParams(steps=2, height=32, width=32)
     one = engine.rollout(RolloutRequest(PROMPTS, 2, params, 7))
-    both = engine.rollout(RolloutRequest(PROMPTS, 2, SamplingParams(**{**vars(params), "rollout_microgroup_size": 4}), 7))
+    spanning = SamplingParams(**{**vars(params), "rollout_microgroup_size": 4})
+    both = engine.rollout(RolloutRequest(PROMPTS, 2, spanning, 7))
     assert [len(mg.sample_indices) for mg in both.microgroups] == [4]
     assert both.microgroups[0].cond["encoder_hidden_states_mask"] is not None
     for key in ("latents", "log_probs", "guided_outputs"):

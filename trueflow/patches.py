@@ -42,7 +42,7 @@ class PatchGroup:
 def get_group(name: str) -> PatchGroup | None:
     """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
     `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
-    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `batch_invariant_patch`."""
+    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `BATCH_INVARIANT_PATCH`."""
     from .kernels.batch_invariant import BACKEND
     from .models import family_for_patch_group
 
@@ -57,9 +57,10 @@ def get_group(name: str) -> PatchGroup | None:
 
 
 def batch_invariant_group(name: str) -> str:
-    """The patch group of the batch-invariant mode for group `name` (`qwen_image` -> `qwen_image:trueflow_batch_
-    invariant`): what `--batch-invariant` makes of a verb's `--patch-group`. Refused in one line for `none` (the
-    mode adds to a group's train-exact numerics) and for a group paired with another train backend."""
+    """The patch group of the batch-invariant mode for group `name` (`qwen_image` becomes
+    `qwen_image:trueflow_batch_invariant`): what `--batch-invariant` makes of a verb's `--patch-group`. Refused in
+    one line for `none` (the mode adds to a group's train-exact numerics) and for a group paired with another train
+    backend."""
     from .kernels.batch_invariant import BACKEND
 
     group, _, backend = name.partition(":")

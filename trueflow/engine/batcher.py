@@ -7,10 +7,10 @@ the round (or left), then the last one to arrive runs the merged forward for all
 rows. Between forwards the participants take turns (one holds the turn at a time and gives it up while it waits for
 a round): every op of a rollout, its text encoder and VAE included, runs with the process's whole intra-op thread
 pool as it does alone (on a CPU the thread count changes bf16 bits: parity condition 9), and no CUDA graph is
-captured while another thread launches kernels. Calls that cannot share a batch (another token grid, other static inputs or conditioning keys) run as one
-forward per kind in the same round. Each call's conditioning is cut into samples and collated again with the others'
-(`collate.concat_cond`): prompts of other lengths pad batch-locally with a text mask, which the mode's attention
-reads. A rollout that leaves (done, cancelled, failed) no longer holds the others up.
+captured while another thread launches kernels. Calls that cannot share a batch (another token grid, other static
+inputs or conditioning keys) run as one forward per kind in the same round. Each call's conditioning is cut into
+samples and collated again with the others' (`collate.concat_cond`): prompts of other lengths pad batch-locally with
+a text mask, which the mode's attention reads. A rollout that leaves (done, cancelled, failed) no longer holds the others up.
 """
 
 from __future__ import annotations

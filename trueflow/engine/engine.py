@@ -166,10 +166,14 @@ class Engine:
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         negative = self._encode(params.negative_prompt, params) if params.cfg else None
         microgroups, images = [], []
-        # (prompt, its first sample, samples): each prompt's microgroups, or whole prompts per microgroup
-        per = size // n_per_prompt if spans else 1
-        groups = [[(p, first, min(size, n_per_prompt)) for p in range(q, min(q + per, len(prompts)))]
-                  for q in range(0, len(prompts), per) for first in range(0, n_per_prompt if not spans else 1, size)]
+        # Each microgroup as [(prompt, its first sample, samples)]: a prompt's microgroups one after another, or
+        # (spanning) whole prompts, `size // n_per_prompt` of them per microgroup.
+        if spans:
+            per = size // n_per_prompt
+            groups = [[(p, 0, n_per_prompt) for p in range(q, min(q + per, len(prompts)))]
+                      for q in range(0, len(prompts), per)]
+        else:
+            groups = [[(p, first, size)] for p in range(len(prompts)) for first in range(0, n_per_prompt, size)]
         with tqdm(total=len(groups) * params.steps, disable=not self.progress, unit="step") as bar:
             encoded: dict[int, Cond] = {}
             for group in groups:

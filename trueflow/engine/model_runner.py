@@ -1,9 +1,9 @@
 """The model runner: one engine transformer (CUDA-graphed on CUDA) and the denoise loop of one microgroup over it.
 
 Each step runs two separate branch forwards (positive, then negative; in the batch-invariant mode one forward of
-both), true CFG, then an ODE step or, inside the SDE window, a stochastic step with its log-prob. Everything family-specific (the conditioning's streams, the
-initial noise's layout and its packing into tokens, the latents' dtype, what the pipeline makes of the model's
-output) comes from the model family.
+both), true CFG, then an ODE step or, inside the SDE window, a stochastic step with its log-prob. Everything
+family-specific (the conditioning's streams, the initial noise's layout and its packing into tokens, the latents'
+dtype, what the pipeline makes of the model's output) comes from the model family.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ def _gemm_config(n: int, k: int) -> dict:
 
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn, alpha, beta,
-                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)  # grouped order: reuse of B tiles in L2 (changes no arithmetic)

@@ -36,7 +36,7 @@ class ProbeSpec:
     lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
     layer_report: str = "all"  # "blocks": only top-level modules and whole blocks (less memory at full size)
     family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
-    batch_invariant: bool = False  # the train side on the batch-invariant backend (pair: `group:trueflow_batch_invariant`)
+    batch_invariant: bool = False  # the train side on the mode's backend (its engine: `group:trueflow_batch_invariant`)
     train_micro_batch: int | None = None  # the train side in micro-batches of this many samples (None: one batch)
 
     def torch_dtype(self) -> torch.dtype:
