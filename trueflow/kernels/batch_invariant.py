@@ -180,7 +180,8 @@ def _mm_cuda(keyset, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _addmm_cuda(keyset, bias, a, b, *, beta=1, alpha=1) -> torch.Tensor:
     if a.dtype not in _TRITON_DTYPES or a.dtype != b.dtype or bias.dim() > 1 and bias.shape[0] != 1:
         return _stock["addmm", "CUDA"].call_boxed(keyset, bias, a, b, beta=beta, alpha=alpha)
-    return _triton().matmul(a, b, bias.reshape(-1).expand(b.shape[1]), beta=float(beta), alpha=float(alpha))
+    row = bias.reshape(-1).expand(b.shape[1]).contiguous()  # the kernel reads the bias row with stride 1
+    return _triton().matmul(a, b, row, beta=float(beta), alpha=float(alpha))
 
 
 def _bmm_cuda(keyset, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
