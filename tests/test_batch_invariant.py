@@ -304,3 +304,19 @@ def test_interpreted_case_attention():
                                    attn_mask=valid[:, None, None, :]).transpose(1, 2).sum().backward()
     for got, want in ((qg.grad, qr.grad), (kg.grad, kr.grad), (vg.grad, vr.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@INTERPRETER
+def test_interpreted_case_cuda_routes():
+    """What the CUDA overrides hand the Triton kernels (called here on CPU tensors, which the interpreter runs): an
+    addmm bias of any broadcast form as one row, the last-dim mean and 2-norm of `dim=[-1]` (keepdim or not)."""
+    T = triton_module()
+    a, b = randn((5, 24), 1, dtype=torch.float32), randn((24, 16), 2, dtype=torch.float32)
+    row = randn((16,), 3, dtype=torch.float32)
+    want = T.matmul(a, b, row)
+    for bias in (row, row[None]):
+        assert_bitwise(BI._addmm_cuda(None, bias, a, b), want, f"bias {tuple(bias.shape)}")
+    torch.testing.assert_close(BI._addmm_cuda(None, torch.tensor(0.5), a, b, beta=2.0), a @ b + 1.0)
+    x = randn((3, 4, 40), 4, dtype=torch.float32)
+    assert_bitwise(BI._mean_cuda(None, x, [-1], True), T.row_reduce(x, "mean", True), "mean")
+    assert_bitwise(BI._vector_norm_cuda(None, x, 2, [2], False), T.row_reduce(x, "norm", False), "norm")
