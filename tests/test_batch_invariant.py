@@ -38,7 +38,7 @@ def linear_cases(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str,
     same; without the bias, 16 rows vs 4 calls of 4; rows 3..18 of a 21-row batch vs those 16; a row between zero
     rows vs alone."""
     alone = torch.cat([F.linear(r[None], w, b) for r in x])
-    x21 = torch.cat([randn((3, x.shape[1]), 5), x, randn((2, x.shape[1]), 6)])
+    x21 = torch.cat([randn((3, x.shape[1]), 5).to(x.device), x, randn((2, x.shape[1]), 6).to(x.device)])
     zeros = x.new_zeros(5, x.shape[1])
     return {
         "16 vs 16x1": (F.linear(x, w, b), alone),
@@ -320,3 +320,40 @@ def test_interpreted_case_cuda_routes():
     x = randn((3, 4, 40), 4, dtype=torch.float32)
     assert_bitwise(BI._mean_cuda(None, x, [-1], True), T.row_reduce(x, "mean", True), "mean")
     assert_bitwise(BI._vector_norm_cuda(None, x, 2, [2], False), T.row_reduce(x, "norm", False), "norm")
+
+
+# -- on a GPU (skipped without one; run these where one is lent) --------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_kernels_are_batch_invariant(weights, bi_mode):
+    """The compiled Triton kernels behind the overrides: GEMM rows at real widths, the last-dim reductions, and the
+    varlen attention (a padded sample vs its sequence alone); the stock cuBLAS GEMM's failure side (H200: batch 4
+    vs 4 x batch 1 differed)."""
+    for (k, n), (w, b) in weights.items():
+        w, b, x = w.cuda(), b.cuda(), randn((64, k), 3).cuda()
+        for what, (batched, alone) in linear_cases(x[:16], w, b).items():
+            assert_bitwise(batched, alone, f"K{k} N{n} {what}")
+    x = randn((8, 37, 3584), 4).cuda()
+    assert_bitwise(x.float().pow(2).mean(-1), torch.cat([x[i:i + 1].float().pow(2).mean(-1) for i in range(8)]), "mean")
+    alone, (q, k, v), mask = joint_batch(1024, (7, 128), 5)
+    out = BI.attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda())
+    assert_bitwise(valid_rows(out, 0, 7, 128).cpu(), BI.attention(*(t.cuda() for t in alone[0]))[0].cpu(), "padded")
+    BI.disable()
+    w, b = (t.cuda() for t in weights[3072, 12288])
+    xs = randn((64, 3072), 6).cuda()
+    assert_differs(F.linear(xs, w, b), torch.cat([F.linear(xs[i:i + 4], w, b) for i in range(0, 64, 4)]), "cuBLAS")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")
+def test_one_block_microgroup_8_against_micro_batches_of_2_on_cuda():
+    """The mode on a GPU at real width, 512², text 128, LoRA 64: the engine's microgroup of 8 against the train side in
+    micro-batches of 2, bitwise; the plain group's pairing under the same micro-batches is not."""
+    from trueflow.parity.probe import ParityProbe, ProbeSpec
+
+    spec = dict(random_size="one_block", batch=8, text_len=128, resolution=512, lora_rank=64, device="cuda",
+                train_micro_batch=2)
+    probe = ParityProbe(ProbeSpec(**spec, batch_invariant=True))
+    assert probe.run(f"qwen_image:{BI.BACKEND}")[0].bitwise_equal
+    BI.disable()
+    assert not ParityProbe(ProbeSpec(**spec)).run("qwen_image")[0].bitwise_equal
