@@ -386,7 +386,7 @@ class Baseline:
     def sample(self, prompt: str, n: int, seed: int) -> dict:
         """flow_grpo's pipeline_with_logprob for one microgroup: SDE steps (with log-probs) in a random window of
         SDE_STEPS steps, Euler steps elsewhere, then the VAE decode; uint8 images on the CPU."""
-        from trueflow.engine.guidance import true_cfg
+        from trueflow.models.cfg import rescaled_cfg
         from trueflow.engine.samplers import ode_step, sde_step
 
         pipe, res = self.pipe, self.args.resolution
@@ -400,7 +400,7 @@ class Baseline:
         window = range(start, start + SDE_STEPS)
         rec: dict[str, list] = {"latents": [], "next_latents": [], "log_probs": [], "steps": list(window)}
         for i, t in enumerate(timesteps):
-            v = true_cfg(self.branch(x, t, embeds, mask), self.branch(x, t, neg, neg_mask), CFG)
+            v = rescaled_cfg(self.branch(x, t, embeds, mask), self.branch(x, t, neg, neg_mask), CFG)
             if i in window:
                 noise = torch.randn(x.shape, device=self.device, dtype=torch.float32)
                 step = sde_step(x, v, sigmas[i], sigmas[i + 1], sigmas[1], NOISE_LEVEL, noise, x.dtype)
@@ -423,7 +423,7 @@ class Baseline:
     def train(self, groups: list[dict], advantages: torch.Tensor) -> None:
         """PPO-clip over every microgroup x window step, CFG in training (both branches with gradients), one backward
         each, then one clipped AdamW step."""
-        from trueflow.engine.guidance import true_cfg
+        from trueflow.models.cfg import rescaled_cfg
         from trueflow.engine.samplers import sde_log_prob
 
         n_terms = sum(len(g["steps"]) for g in groups)
@@ -432,7 +432,7 @@ class Baseline:
             sigmas = g["sigmas"]
             for j, i in enumerate(g["steps"]):
                 x, t = g["latents"][j], g["timesteps"][i]
-                v = true_cfg(self.branch(x, t, g["embeds"], g["mask"]), self.branch(x, t, g["neg"], g["neg_mask"]), CFG)
+                v = rescaled_cfg(self.branch(x, t, g["embeds"], g["mask"]), self.branch(x, t, g["neg"], g["neg_mask"]), CFG)
                 log_prob, _, _ = sde_log_prob(g["next_latents"][j], x, v, sigmas[i], sigmas[i + 1], sigmas[1],
                                               NOISE_LEVEL)
                 ratio = torch.exp(log_prob - g["log_probs"][j])

@@ -3,7 +3,7 @@
     python benchmarks/rollout_vs_diffusers.py --out rollout.json [--rows ROW,...] [--shapes 512x1,...]
 
 Unit of work: one guided denoising step = the positive and the negative branch forward (two separate forwards),
-true CFG with norm rescale (`engine/guidance.py`) and a flow-GRPO SDE step (`engine/samplers.py`), on the
+true CFG with norm rescale (`models/cfg.py:rescaled_cfg`) and a flow-GRPO SDE step (`engine/samplers.py`), on the
 full-size architecture (60 blocks, 24x128 heads, joint dim 3584) with seeded random weights in bf16, text 128
 tokens, no mask. Each row is timed with CUDA events around whole steps after `--warmup` steps (which include
 any capture or compilation), median of `--repeats`.
@@ -53,7 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trueflow import kernels
 from trueflow.models.qwen_image.presets import build_transformer, transformer_config
 from trueflow.engine.cuda_graph import GraphedForward, capture
-from trueflow.engine.guidance import true_cfg
+from trueflow.models.cfg import rescaled_cfg
 from trueflow.engine.samplers import sde_step
 from trueflow.models.qwen_image.train import model_timestep
 from trueflow.engine.weights import build_engine_transformer
@@ -103,7 +103,7 @@ def make_inputs(config: dict, resolution: int, batch: int, device: str, seed: in
 
 def guided_step(pos: torch.Tensor, neg: torch.Tensor, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(guided velocity, next latent)."""
-    v = true_cfg(pos, neg, CFG_SCALE)
+    v = rescaled_cfg(pos, neg, CFG_SCALE)
     return v, sde_step(inp.x, v, *inp.sigmas, NOISE_LEVEL, inp.noise, inp.x.dtype).x_next
 
 

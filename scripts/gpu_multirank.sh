@@ -5,7 +5,7 @@ set -euo pipefail
 export PYTHONFAULTHANDLER=1  # a crash prints its Python frames
 n=${1:-2}; out=${2:-/tmp/multirank}
 mkdir -p "$out"
-python3 -m trueflow init-checkpoint --out "$out/ck" --overwrite
+python3 -m trueflow init-checkpoint --output-dir "$out/ck" --overwrite
 for placement in "" "--engine-process"; do
   run="$out/run${placement:+-engine-process}"
   rm -rf "$run"

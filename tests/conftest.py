@@ -8,9 +8,11 @@ pinned once here, for the whole session, before any test runs.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,36 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
+@pytest.fixture()
+def tmpfs(tmp_path: Path):
+    """`tmpfs(size)`: a folder on a new tmpfs of `size` bytes (a small disk that fills up); `tmpfs(size, folder)`
+    remounts it at a new size, its files kept. Skips where mounting is refused (it needs root)."""
+    import subprocess
+
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here: a full disk needs a tmpfs")
+    mounted: list[Path] = []
+
+    def mount(size: int, where: Path | None = None) -> Path:
+        options = f"size={size}" + (",remount" if where is not None else "")
+        where = where if where is not None else tmp_path / f"disk{len(mounted)}"
+        where.mkdir(exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({' '.join(proc.stderr.split())}): a full disk needs one")
+        if where not in mounted:
+            mounted.append(where)
+        return where
+
+    yield mount
+    import gc
+
+    gc.collect()  # tensors read back with safetensors map their file; a test's traceback cycle may still hold some
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> tuple[dict, dict]:
     """The tiny Qwen-Image transformer's config and seeded bf16 diffusers state dict (a module may define its own
@@ -72,6 +104,14 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ltx2_tiny")
     write_checkpoint(out, "tiny", 0, torch.float32, "cpu")
     return out
+
+
+@pytest.fixture(scope="session")
+def flux_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny FLUX.1-dev pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.checkpoints import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("flux") / "tiny", family="flux")
 
 
 # LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to
@@ -163,9 +203,10 @@ class LoraMasters:
             p.copy_(self.masters[n].to(p.dtype))
 
 
-def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dict:
-    """Run the `script`-th replay script of docs/snapshot.md (0: Qwen-Image, 1: LTX-2.3) as written, on step `t` of
-    microgroup `m`, in this process (so with the test's thread count); returns the JSON line it prints."""
+def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int | str = 0) -> dict:
+    """Run a replay script of docs/snapshot.md as written, on step `t` of microgroup `m`, in this process (so with
+    the test's thread count); returns the JSON line it prints. `script`: its index (0: Qwen-Image, 1: LTX-2.3) or its
+    file name, the first word of its docstring (e.g. "replay_flux_step.py")."""
     import contextlib
     import io
     import json
@@ -174,7 +215,8 @@ def replay_snapshot_step(snapshot: Path, m: int, t: int, script: int = 0) -> dic
     import sys
 
     doc = Path(__file__).parent.parent / "docs" / "snapshot.md"
-    code = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[script]
+    scripts = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    code = scripts[script] if isinstance(script, int) else next(s for s in scripts if s.startswith(f'"""{script} '))
     path = snapshot.parent / f"replay_step_{script}.py"
     path.write_text(code)
     argv, out = sys.argv, io.StringIO()
@@ -223,3 +265,78 @@ def assert_matches_recorded_run(run: Path, name: str) -> None:
     assert sorted(lora) == sorted(expected), f"{name}: other LoRA tensors than the recorded run's"
     for k in expected:
         assert_bitwise(lora[k], expected[k], f"{name}: {k}")
+
+
+# -- the sockets a run listens on (from /proc: no psutil needed) ----------------------------------------------------
+def process_tree(root: int) -> set[int]:
+    """`root` and every live process below it."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grew = {root}, True
+    while grew:
+        below = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= below
+        grew = bool(below)
+    return tree & (set(parents) | {root})
+
+
+def _ip(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    raw = bytes.fromhex(hex_address)  # /proc/net/tcp*: 32-bit words in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(raw)
+
+
+def listening(pids: set[int]) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes `pids` listen on."""
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:  # a process that ended meanwhile
+            continue
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in owner:  # LISTEN
+                address, port = cols[1].split(":")
+                out.add((owner[cols[9]], str(_ip(address)), int(port, 16)))
+    return out
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or mapped is not None and mapped.is_loopback
+
+
+def watch_listeners(proc, until, seen: set | None = None, timeout: float = 300.0) -> set[tuple[int, str, int]]:
+    """The sockets `proc`'s process tree listens on, polled until `until()` holds or `proc` ends (within
+    `timeout`); added to `seen`, which is returned."""
+    seen = set() if seen is None else seen
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not until():
+        assert time.monotonic() < deadline, "the run did not get there in time"
+        seen |= listening(process_tree(proc.pid))
+        time.sleep(0.1)
+    return seen
+
+
+def assert_loopback_only(seen: set[tuple[int, str, int]]) -> None:
+    """Every listener of a run on loopback, naming the process of any that is not."""
+    assert seen, "no listening socket was seen"
+    wide = sorted({(pid, address, port) for pid, address, port in seen if not is_loopback(address)})
+    names = {}
+    for pid, _, _ in wide:
+        try:
+            names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+        except OSError:
+            names[pid] = "?"
+    assert not wide, "listening beyond loopback: " + "; ".join(f"{a}:{p} ({names[pid]})" for pid, a, p in wide)

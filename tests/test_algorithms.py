@@ -318,10 +318,14 @@ def test_the_cudnn_backend_pairs_the_engine_group():
     assert [w for w in mismatched.parity_warnings() if "condition 5" in w]
 
 
-def test_the_nft_recipe_loads_and_breaks_only_condition_1():
+def test_the_nft_recipe_loads_and_breaks_no_condition():
+    """Its second optimizer step per rollout is measured against the rolled-out LoRA (--parity-on-every-step), so
+    condition 1 holds for what it guards, the measured mismatch; without the flag that step goes unmeasured."""
     cfg = config_from_argv(["--config", "recipes/diffusion-nft.yaml"])
     assert (cfg.algorithm, cfg.cfg_scale, cfg.lr_schedule, cfg.parity_on_every_step) == ("nft", 1.0, "cosine", True)
-    assert [w.split(":")[0] for w in cfg.parity_warnings()] == ["condition 1"]
+    assert cfg.num_steps_per_rollout == 2 and cfg.parity_warnings() == []
+    unmeasured = config_from_argv(["--config", "recipes/diffusion-nft.yaml", "--no-parity-on-every-step"])
+    assert [w.split(":")[0] for w in unmeasured.parity_warnings()] == ["condition 1"]
 
 
 @pytest.mark.slow
@@ -333,7 +337,7 @@ def test_the_kept_copy_on_two_fsdp_ranks(tiny_checkpoint, tmp_path):
     import sys
 
     from test_train import cli_flags
-    from trueflow.train.dist import free_port
+    from trueflow.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

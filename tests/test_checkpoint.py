@@ -119,8 +119,8 @@ def test_write_guards(ckpt: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     with pytest.raises(ValueError, match="known sizes: tiny, full, one_block"):
         init_checkpoint(tmp_path / "x", size="huge")
-    with pytest.raises(ValueError, match="valid families: ltx2, qwen_image"):
-        init_checkpoint(tmp_path / "x", family="flux")
+    with pytest.raises(ValueError, match="valid families: flux, ltx2, qwen_image"):
+        init_checkpoint(tmp_path / "x", family="nosuch")
 
 
 def test_full_config_is_the_real_transformer() -> None:

@@ -35,6 +35,7 @@ FLAT_SWITCHES = ["--gradient-checkpointing", "--global-std", "--engine-process",
                  "--debug-skip-optimizer-step", "--resume", "--tensorboard"]
 # The recipe as it was written before sections.
 FLAT_RECIPE = """
+family: qwen_image
 num_steps_per_rollout: 1
 rollout_microgroup_size: 4
 micro_batch_size_sample: 4

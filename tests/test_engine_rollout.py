@@ -17,10 +17,10 @@ from trueflow.engine.interface import RolloutRequest
 from trueflow.collate import collate_text, warn_if_masked
 from trueflow.engine.engine import Engine
 from trueflow.engine.sampling_params import SamplingParams
-from trueflow.engine.guidance import true_cfg
 from trueflow.engine.samplers import cps_log_prob, sde_log_prob
 from trueflow.models.qwen_image.train import model_timestep
 from trueflow.loading import read_transformer_state_dict
+from trueflow.models.cfg import plain_cfg, rescaled_cfg
 from trueflow.models.qwen_image.prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX, encode_prompts
 from trueflow.train.batch import assemble
 from trueflow.engine.sampling_params import check_family_limits
@@ -95,7 +95,7 @@ def test_warn_if_masked_only_in_parity_mode_with_a_mask():
         warn_if_masked(None, parity=True, cause="x")
 
 
-def test_true_cfg_is_the_pipelines_arithmetic_bitwise():
+def test_rescaled_cfg_is_the_qwen_image_pipelines_arithmetic_bitwise():
     noise_pred, neg_noise_pred = randn((2, 16, 64), 0, std=2), randn((2, 16, 64), 1, std=2)
     for true_cfg_scale in (4.0, 1.5):
         # QwenImagePipeline.__call__'s lines, with the clamp
@@ -103,14 +103,25 @@ def test_true_cfg_is_the_pipelines_arithmetic_bitwise():
         cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
         noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
         ref = comb_pred * (cond_norm / noise_norm.clamp_min(1e-12))
-        assert_bitwise(true_cfg(noise_pred, neg_noise_pred, true_cfg_scale), ref, f"scale {true_cfg_scale}")
+        assert_bitwise(rescaled_cfg(noise_pred, neg_noise_pred, true_cfg_scale), ref, f"scale {true_cfg_scale}")
     # the failing side: the algebraically equal s·pos + (1−s)·neg rounds differently
     s = 4.0
     other = s * noise_pred + (1 - s) * neg_noise_pred
     other = other * (torch.norm(noise_pred, dim=-1, keepdim=True) / torch.norm(other, dim=-1, keepdim=True))
-    assert_differs(other, true_cfg(noise_pred, neg_noise_pred, s))
+    assert_differs(other, rescaled_cfg(noise_pred, neg_noise_pred, s))
     zero = torch.zeros(1, 2, 8, dtype=BF16)  # pos == neg == 0: the clamp gives 0, not NaN
-    assert torch.equal(true_cfg(zero, zero, 4.0), zero)
+    assert torch.equal(rescaled_cfg(zero, zero, 4.0), zero)
+
+
+def test_plain_cfg_is_the_sd3_wan_and_flux_pipelines_arithmetic_bitwise():
+    noise_pred_text, noise_pred_uncond = randn((2, 16, 64), 2, std=2), randn((2, 16, 64), 3, std=2)
+    for guidance_scale in (4.5, 1.5):
+        # StableDiffusion3Pipeline.__call__ (WanPipeline's and FluxPipeline's true CFG are the same line)
+        ref = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+        assert_bitwise(plain_cfg(noise_pred_text, noise_pred_uncond, guidance_scale), ref, f"scale {guidance_scale}")
+        # the failing side: the branches swapped, and the algebraically equal s·pos + (1−s)·neg
+        assert_differs(plain_cfg(noise_pred_uncond, noise_pred_text, guidance_scale), ref)
+        assert_differs(guidance_scale * noise_pred_text + (1 - guidance_scale) * noise_pred_uncond, ref)
 
 
 def test_vae_decode_is_the_pipelines(exact, pipe):

@@ -30,3 +30,20 @@ def test_real_width_block_bitwise_on_cuda():
     assert probe.run("qwen_image")[0].bitwise_equal
     for patch in ("contiguous_split", "attention_kernel"):
         assert not probe.run("qwen_image", (patch,))[0].bitwise_equal, patch
+
+
+def test_a_cuda_lora_crosses_to_a_server_by_cuda_ipc(tiny_checkpoint):
+    """`push_lora` of CUDA tensors to `trueflow serve --device cuda` in another process: the payload's CUDA handles
+    (torch's own reduction, as plain fields, its refcount file checked) open there, and the server holds the LoRA."""
+    from test_server import make_lora, serve_subprocess
+    from trueflow.engine import wire
+    from trueflow.placement.http import push_lora
+    from trueflow.sync.buckets import pack
+    from trueflow.sync.checksum import tensors_checksum
+    from trueflow.sync.shm import SharedSegments
+
+    lora = {k: v.cuda() for k, v in make_lora(0).items()}
+    handles = wire.parse_handles(wire.dump_handles(pack(lora), SharedSegments(), scale=1.0))
+    assert handles.cuda and all(b.cuda is not None for b in handles.buckets)
+    with serve_subprocess(tiny_checkpoint, "--device", "cuda") as (url, _proc):
+        assert push_lora(url, lora, 1.0) == tensors_checksum(make_lora(0))

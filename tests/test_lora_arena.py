@@ -154,9 +154,10 @@ def test_an_install_outside_the_arena_or_a_full_load_drops_it(tiny, monkeypatch)
     them; a full-weight load clears the LoRA. Either way the arena no longer says what the layers hold."""
     from trueflow.engine import model_runner
     from trueflow.engine.model_runner import ModelRunner
+    from trueflow.models.spec import Expert
 
     model = parity_engine(tiny)
-    runner = ModelRunner(model, model.family, torch.device("cpu"), BF16)
+    runner = ModelRunner([(Expert("transformer"), model)], model.family, torch.device("cpu"), BF16)
     runner.update_lora(lora(tiny, 0), 0.5)
     assert model.lora_arena is not None
     monkeypatch.setattr(model_runner, "as_buckets", lambda state: None)  # e.g. tensors on two devices

@@ -140,3 +140,20 @@ def test_tensorboard_missing_is_one_line_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ValueError, match=r"^--tensorboard needs the tensorboard package: pip install tensorboard$"):
         MetricsWriter(tmp_path / "metrics.jsonl", tensorboard_dir=tmp_path / "tensorboard")
+
+
+def test_every_record_has_an_iso_timestamp_that_run_comparisons_leave_out():
+    from datetime import datetime, timedelta, timezone
+
+    import torch
+
+    from trueflow.train.metrics import TIMING_KEYS, step_record
+
+    sync = {"checksums_equal": True, "trainer_checksum": "a", "engine_checksum": "a", "time_sync": 0.1}
+    before = datetime.now(timezone.utc)
+    record = step_record(1, 0, 0, torch.tensor([0.5]), 0, {"loss": 0.0}, sync, {"time_rollout": 1.0}, 2.0)
+    stamp = datetime.fromisoformat(record["timestamp"])
+    assert stamp.utcoffset() == timedelta(0) and before - timedelta(seconds=1) <= stamp <= datetime.now(timezone.utc)
+    # a wall-clock key like the phase times: left out where two runs' records are compared, and nothing else is
+    assert "timestamp" in TIMING_KEYS and all(k.startswith("time") for k in TIMING_KEYS)
+    assert set(record) - set(TIMING_KEYS) >= {"step", "reward_mean", "loss", "checksums_equal"}

@@ -1,6 +1,7 @@
 """`trueflow train --ray` on local Ray clusters bound to 127.0.0.1 (2 CPUs, no dashboard, temp folders inside the
-tests' folders): the same metrics, bit for bit, as torchrun with the same flags; the actors it places; an engine
-or reward actor killed mid-run (a one-line error naming it, intact checkpoints, a bitwise --resume);
+tests' folders): the same metrics, bit for bit, as torchrun with the same flags; a run of its own cluster listens on
+loopback only, with usage stats off and no token file; the actors it places; an engine or reward actor killed
+mid-run (a one-line error naming it, intact checkpoints, no shared memory left behind, a bitwise --resume);
 disaggregated 1+1 and 2+1 at parity 0.0, and an engine that dies on the weight broadcast named at once."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -20,30 +23,64 @@ import ray  # noqa: E402
 
 from trueflow.cli import main
 from trueflow.train.checkpoint import load_latest
+from trueflow.train.lock import LOCK_FILE
 from trueflow.train.metrics import read_metrics
 
-from conftest import TRUEFLOW_EXE
+from conftest import TRUEFLOW_EXE, assert_loopback_only, listening, process_tree
 from test_train import FAST, assert_bitwise_run, assert_same_metrics, cli_flags, comparable, torchrun
 
 ROLLOUTS = 4  # one more than test_train's runs: the kill below lands while the run still has rollouts to go
 
 
-def ray_train(out, checkpoint, *flags: str, wait: bool = True):
+def ray_train(out, checkpoint, *flags: str, wait: bool = True, env: dict | None = None):
     """`trueflow train --ray ...` with the FAST settings (a Popen with `wait=False`)."""
     cmd = [str(TRUEFLOW_EXE), "train", "--ray", "--checkpoint", str(checkpoint), "--output-dir", str(out),
            *cli_flags(**FAST), "--num-rollouts", str(ROLLOUTS), *flags]
     if wait:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+class RayRun(NamedTuple):
+    out: Path
+    rows: list[dict]
+    listeners: set  # (pid, address, port) of every socket its processes listened on
+    usage_stats: dict[str, str | None]  # RAY_USAGE_STATS_ENABLED in the environment of each Ray process seen
+    home: Path  # its HOME, where Ray would write ~/.ray/auth_token
 
 
 @pytest.fixture(scope="module")
-def ray_run(tiny_checkpoint, tmp_path_factory):
-    """`trueflow train --ray --world-size 2`, which starts its own local cluster (temp folder: the run's `ray/`)."""
-    out = tmp_path_factory.mktemp("a") / "run"
-    proc = ray_train(out, tiny_checkpoint, "--world-size", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, read_metrics(out / "metrics.jsonl")
+def ray_run(tiny_checkpoint, tmp_path_factory) -> RayRun:
+    """`trueflow train --ray --world-size 2`, which starts its own local cluster (temp folder: the run's `ray/`),
+    in an environment that sets none of Ray's variables (this module's own cluster sets two) and a HOME of its
+    own; its sockets and the environment of its Ray processes are watched while it runs."""
+    out, home = tmp_path_factory.mktemp("a") / "run", tmp_path_factory.mktemp("home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home)}
+    proc = ray_train(out, tiny_checkpoint, "--world-size", "2", wait=False, env=env)
+    seen, usage, deadline = set(), {}, time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        tree = process_tree(proc.pid)
+        seen |= listening(tree)
+        for pid in tree - {proc.pid}:
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                variables = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            except OSError:
+                continue
+            if name in ("gcs_server", "raylet"):
+                usage[name] = dict(v.split("=", 1) for v in variables if "=" in v).get("RAY_USAGE_STATS_ENABLED")
+        time.sleep(0.1)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    return RayRun(out, read_metrics(out / "metrics.jsonl"), seen, usage, home)
+
+
+def test_a_ray_run_listens_on_loopback_only(ray_run):
+    """Every Ray process (GCS, raylet, agents, workers) and the trainers' process group on 127.0.0.1; the driver
+    turned usage stats off for the processes it starts, and Ray's token stayed in the environment (no file)."""
+    assert_loopback_only(ray_run.listeners)
+    assert ray_run.usage_stats == {"gcs_server": "0", "raylet": "0"}
+    assert not (ray_run.home / ".ray").exists()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +102,7 @@ def test_ray_matches_torchrun_bit_for_bit(ray_run, tiny_checkpoint, tmp_path):
     """2 trainer actors with 2 colocated engine actors write the very metrics of `torchrun --nproc-per-node 2`
     (the grad norm and mean loss too: both add the same 2 ranks' pieces), parity 0.0 at every step, exit 0; the
     local cluster's temp folder is gone with it."""
-    out, rows = ray_run
+    out, rows = ray_run.out, ray_run.rows
     proc = torchrun(tmp_path / "run", tiny_checkpoint, "--num-rollouts", str(ROLLOUTS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -109,13 +146,16 @@ def test_killed_engine_actor_is_named_and_the_run_resumes_bit_for_bit(ray_run, c
     after the first checkpoint stops the run with one line naming engine-1, the checkpoint stays complete, and
     --resume finishes the run with the uninterrupted run's metrics, bit for bit (whose rewards were computed in
     the trainer ranks: the reward's placement changes no bit)."""
-    _, reference = ray_run
+    reference = ray_run.rows
     out = tmp_path / "run"
     flags = ("--world-size", "2", "--ray-address", cluster, "--save-every", "1", "--reward-placement", "actor")
+    segments = set(Path("/dev/shm").glob("trueflow-*"))
     proc = ray_train(out, tiny_checkpoint, *flags, wait=False)
     seen, stderr = kill_when(proc, lambda _: (out / "checkpoints" / "step-000001" / "COMPLETE").is_file(), "engine-1")
     assert sorted(seen) == ["engine-0", "engine-1", "reward-0", "reward-1", "trainer-0", "trainer-1"]
     assert_named_error(proc, stderr, "engine actor engine-1")
+    assert not (out / LOCK_FILE).exists(), "the driver held the run folder's lock and released it on the error"
+    assert set(Path("/dev/shm").glob("trueflow-*")) == segments, "the failed run left its LoRA buffers behind"
     _, _, _, state = load_latest(out)
     assert state["step"] >= 1, "the checkpoint written before the kill is complete"
     resumed = ray_train(out, tiny_checkpoint, *flags, "--resume")
@@ -139,7 +179,7 @@ def test_disaggregated_one_engine(ray_run, tiny_checkpoint, tmp_path, request, t
     trainer rank 0 and confirms it by checksum (with 2 ranks it serves both shares, and rank 1 waits for its LoRA
     there): parity 0.0 and equal checksums at every step. With 2 ranks the metrics are the colocated run's bit for
     bit; with 1, as one rank's against two (grad norm and loss to rounding)."""
-    _, reference = ray_run
+    reference = ray_run.rows
     out = tmp_path / "run"
     # 1+1 joins the 2-CPU cluster; 2+1 needs 3 bundles, which the run's own local cluster makes.
     where = ("--ray-address", request.getfixturevalue("cluster")) if trainers == 1 else ()
@@ -157,7 +197,7 @@ import os, sys, time
 import ray, torch
 from trueflow.placement import EngineSpec
 from trueflow.placement.ray import BroadcastEngine, EngineActor, weights_group
-from trueflow.train.dist import free_port
+from trueflow.net import free_port
 
 checkpoint, temp = sys.argv[1:]
 ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp, log_to_driver=False)

@@ -142,3 +142,53 @@ def test_parity_plot_marks_non_finite_differences():
     (ax,) = fig.axes
     (marker,) = [line for line in ax.get_lines() if line.get_label() == "not finite (NaN or inf)"]
     assert list(marker.get_xdata()) == [2]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 30])
+def test_step_axes_tick_whole_steps(steps):
+    """A run of one or two steps too: matplotlib's margins alone leave it no integer to tick but fractions."""
+    for make in (reward_figure, parity_figure, timing_figure):
+        fig = make([record(s) for s in range(1, steps + 1)])
+        fig.canvas.draw()
+        (ax,) = fig.axes
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(float(t).is_integer() for t in ticks), (make.__name__, ticks)
+        assert ax.get_xlabel() == "optimizer step" and ax.get_ylabel()
+
+
+def test_a_sample_grid_names_each_prompt_and_each_reward():
+    from trueflow.train.report import sample_grid_figure
+
+    rollout = SimpleNamespace(n_per_prompt=2, prompts=["a red cube", "a fox in the snow"], seed=7,
+                              rewards=torch.tensor([0.25, 0.5, math.nan, math.nan]))
+    fig = sample_grid_figure(np.zeros((4, 16, 16, 3), np.uint8), rollout, "redness")
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["0.25", "0.5", "skipped", "skipped"]
+    assert [ax.get_ylabel() for ax in axes] == ["a red cube", "", "a fox in the snow", ""]
+    assert "redness" in fig.get_suptitle() and "seed 7" in fig.get_suptitle()
+    unscored = sample_grid_figure(np.zeros((2, 16, 16, 3), np.uint8), SimpleNamespace(**{**vars(rollout),
+                                  "rewards": None, "prompts": ["a"]}))
+    assert [ax.get_title() for ax in unscored.axes] == ["not scored", "not scored"]
+
+
+def test_summary_links_the_videos(tmp_path):
+    (tmp_path / "samples").mkdir()
+    for name in ("rollout-00000-p0.mp4", "rollout-00000-p1.mp4"):
+        (tmp_path / "samples" / name).write_bytes(b"")
+    summary = write_summary(tmp_path, CFG, [record(1)]).read_text()
+    assert "- [rollout-00000-p0](samples/rollout-00000-p0.mp4)" in summary
+    assert "- [rollout-00000-p1](samples/rollout-00000-p1.mp4)" in summary
+
+
+def test_published_files_are_readable_as_any_new_file(tmp_path):
+    """safetensors writes 0600; a published file gets what open() gives under this umask (0644 under 022)."""
+    from safetensors.torch import save_file
+
+    from trueflow.files import publish
+
+    save_file({"a": torch.zeros(1)}, str(tmp_path / "x.safetensors"))
+    (tmp_path / "y.txt").write_text("y")
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o600  # the failing side: unpublished
+    publish(tmp_path)
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == (tmp_path / "y.txt").stat().st_mode & 0o777

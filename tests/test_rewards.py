@@ -104,6 +104,9 @@ def test_weighted_sum() -> None:
     assert isinstance(build_reward("redness:0.5"), WeightedSum)
     with pytest.raises(ValueError, match="cannot import module"):
         build_reward("redness:x")  # not a weight: read as a custom 'module:function'
+    for weight in ("nan", "inf", "-1e999"):
+        with pytest.raises(ValueError, match=f"weight '{weight}' must be a finite number"):
+            build_reward(f"redness:{weight}")
 
 
 def test_custom_function_and_factory() -> None:

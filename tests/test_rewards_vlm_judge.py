@@ -4,8 +4,10 @@ the answer, and how a bad answer, an error status or a slow server fail."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
+import queue
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +32,9 @@ class Judge(BaseHTTPRequestHandler):
 
     models = ["tiny-judge"]
     requests: list[dict] = []
+    keys: list[str | None] = []  # the authorization header of each request that was redirected
+    elsewhere = ""  # the URL a redirect points to
+    sent: queue.Queue = queue.Queue()  # bytes a streamed answer got out
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -40,6 +45,27 @@ class Judge(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+    def stream(self, payload: bytes, chunk: int, pause: float, declare: bool = True) -> None:
+        """Send `payload` `chunk` bytes at a time; record in `sent` how much went out before the client hung up."""
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        if declare:
+            self.send_header("content-length", str(len(payload)))
+        else:
+            self.send_header("connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        sent = 0
+        try:
+            while sent < len(payload):
+                self.wfile.write(payload[sent:sent + chunk])
+                self.wfile.flush()
+                sent += chunk
+                time.sleep(pause)
+        except OSError:  # the client cut the answer off
+            pass
+        Judge.sent.put(min(sent, len(payload)))
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
@@ -69,20 +95,57 @@ class Judge(BaseHTTPRequestHandler):
             return self.reply(200, b"<html>")
         elif "slow" in text:
             time.sleep(1.5)
+        elif "redirected" in text:  # elsewhere: another server, on another port
+            Judge.keys.append(self.headers.get("authorization"))
+            self.send_response(302)
+            self.send_header("location", f"{Judge.elsewhere}/v1/chat/completions")
+            self.send_header("content-length", "0")
+            return self.end_headers()
+        elif "dripping" in text:  # a valid answer, one byte every 50 ms: no single read waits long
+            return self.stream(json.dumps({"choices": [{"message": {"content": "5"}}]}).encode(), 1, 0.05)
+        elif "enormous" in text:  # 50 MB, declared
+            return self.stream(b" " * (50 << 20), 1 << 16, 0.0)
+        elif "unbounded" in text:  # 50 MB, no length declared: read until the server closes
+            return self.stream(b" " * (50 << 20), 1 << 16, 0.0, declare=False)
+        elif "billion" in text:
+            answer = "1e9"
         self.reply(200, json.dumps({"choices": [{"index": 0, "message": {"role": "assistant",
                                                                           "content": answer}}]}).encode())
 
 
-@pytest.fixture()
-def server():
-    Judge.models, Judge.requests = ["tiny-judge"], []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+class Elsewhere(BaseHTTPRequestHandler):
+    """Where a redirect points: records every request it gets, with its authorization header."""
+
+    seen: list[tuple[str, str | None]] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        Elsewhere.seen.append((self.path, self.headers.get("authorization")))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+
+@contextlib.contextmanager
+def serving(handler):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture()
+def server():
+    Judge.models, Judge.requests, Judge.keys, Judge.sent, Elsewhere.seen = ["tiny-judge"], [], [], queue.Queue(), []
+    with serving(Judge) as url, serving(Elsewhere) as Judge.elsewhere:
+        yield url
 
 
 def batch(n: int, seed: int = 0) -> torch.Tensor:
@@ -140,6 +203,47 @@ def test_a_slow_server_times_out(server: str) -> None:
     assert time.monotonic() - start < 1.4
 
 
+def test_a_redirect_is_not_followed_and_the_key_stays(server: str, monkeypatch) -> None:
+    """A 302 to a server on another port is an error naming its target; that server gets nothing, the key least."""
+    monkeypatch.setenv("TRUEFLOW_JUDGE_API_KEY", "sekrit")
+    reward = build_reward("vlm_judge", url=server)
+    with pytest.raises(RewardError, match=f"'redirected': {server}/v1/chat/completions answered 302, a redirect to "
+                                          f"'{Judge.elsewhere}/v1/chat/completions', which is not followed"):
+        score(reward, batch(1), ["redirected"])
+    assert Judge.keys == ["Bearer sekrit"], "the judge's own server got the key"
+    assert Elsewhere.seen == [], "the redirect's target got no request, so no key"
+
+
+def test_a_dripping_server_is_cut_off_at_the_deadline(server: str) -> None:
+    """One byte every 50 ms never keeps a read waiting 0.5 s, but the whole answer would take ~3 s: the deadline is
+    the request's, not each read's."""
+    from trueflow.rewards.vlm_judge import VlmJudge
+
+    reward = VlmJudge(server, timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(RewardTimeout, match=r"'dripping': no answer from .* within 0.5 s"):
+        score(reward, batch(1), ["dripping"])
+    assert time.monotonic() - start < 1.5
+    assert Judge.sent.get(timeout=5) < 60, "the server was cut off before it had sent its answer"
+
+
+@pytest.mark.parametrize("prompt, error", [
+    ("enormous", r"the answer from .* is 52,428,800 bytes, over the 1,048,576-byte cap: refused unread"),
+    ("unbounded", r"the answer from .* passes the 1,048,576-byte cap: refused"),
+])
+def test_a_huge_answer_is_refused_without_reading_it_whole(server: str, prompt: str, error: str) -> None:
+    reward = build_reward("vlm_judge", url=server)
+    with pytest.raises(RewardError, match=f"'{prompt}': {error}"):
+        score(reward, batch(1), [prompt])
+    assert Judge.sent.get(timeout=10) < 50 << 20, "the client hung up before the 50 MB were sent"
+
+
+def test_a_score_outside_the_range_names_it(server: str) -> None:
+    """`1e9` was read as its first digit, 1.0."""
+    with pytest.raises(RewardError, match=r"'billion': the answer's number 1e9 is outside \[0, 10\]"):
+        score(build_reward("vlm_judge", url=server), batch(1), ["billion"])
+
+
 def test_judge_setup_errors(server: str) -> None:
     with pytest.raises(ValueError, match="needs the URL of an OpenAI-compatible chat server"):
         build_reward("vlm_judge")
@@ -164,12 +268,12 @@ def test_judge_in_a_weighted_sum_with_the_aesthetic_predictor(server: str, tmp_p
 
 
 @pytest.mark.parametrize("answer, value", [("8", 8.0), ("Score: 7.5/10", 7.5), (" 10.", 10.0), (".5", 0.5),
-                                           ("0", 0.0)])
+                                           ("0", 0.0), ("7.5e-1", 0.75), ("8e", 8.0)])
 def test_parse_score(answer: str, value: float) -> None:
     assert parse_score(answer) == value
 
 
-@pytest.mark.parametrize("answer", ["ten", "", "-1", "10.5"])
+@pytest.mark.parametrize("answer", ["ten", "", "-1", "10.5", "1e9", "1E+1000"])
 def test_parse_score_refuses(answer: str) -> None:
     with pytest.raises(ValueError):
         parse_score(answer)

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +19,8 @@ import msgpack
 import numpy as np
 import pytest
 from PIL import Image
-from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from test_ipc_safety import cuda_bucket, ipc_payload
 from test_server import NO_LORA, assert_same_rollout, checksums, make_lora, serve_subprocess
 from test_server_shutdown import LONG
 from trueflow.placement import EngineSpec
@@ -37,7 +36,7 @@ from trueflow.parallel.engine import lora_shard_checksums
 from trueflow.sync.checksum import tensors_checksum
 from trueflow.placement.process import EngineClient
 
-from conftest import BF16, assert_differs
+from conftest import BF16, assert_differs, assert_loopback_only, listening, process_tree
 
 REQUEST = RolloutRequest(["a red apple"], 2, SamplingParams(steps=2, num_sde_steps=1, height=32, width=32), seed=3)
 SERVE = ("--tp", "2", "--threads", "1", "--patch-group", "qwen_image", "--max-steps", str(LONG["steps"]))
@@ -99,8 +98,7 @@ def test_serve_tp2_rollouts_lora_refusals_and_shutdown(tiny_checkpoint, monkeypa
             # What a multi-process engine cannot take: refused before anything is read or opened, naming the fix.
             r = httpx.post(f"{url}/weights/full", json={"path": "anything"})
             assert r.status_code == 400 and "--tp 1" in r.json()["error"], r.text
-            cuda_payload = bytes(ForkingPickler.dumps({"buckets": [], "scale": 1.0, "f": rebuild_cuda_tensor}))
-            r = httpx.post(f"{url}/weights/lora", content=cuda_payload,
+            r = httpx.post(f"{url}/weights/lora", content=ipc_payload(cuda_bucket()),
                            headers={"content-type": wire.IPC_CONTENT_TYPE})
             assert r.status_code == 400 and "CPU tensors" in r.json()["error"], r.text
             assert checksums(url)["lora"] == tensors_checksum(lora)
@@ -160,3 +158,28 @@ def test_health_says_failed_once_an_engine_process_has_died(tiny_checkpoint):
         engine.processes[1].exitcode = -9
         r = client.get("/health")
         assert (r.status_code, r.json()["status"], r.json()["tp"]) == (503, "failed", 2)
+
+
+def test_a_dead_rank_is_one_line_503_and_sigterm_is_quick(tiny_checkpoint):
+    """The server, its engine process and its ranks listen on loopback only; a rank killed by SIGKILL answers the
+    next rollout 503 "engine rank 1 of 2 died" (no traceback in the answer), /health says failed, and SIGTERM then
+    ends the server and the surviving rank in under 5 s."""
+    with serve_subprocess(tiny_checkpoint, "--tp", "2", "--threads", "1") as (url, proc):
+        health = httpx.get(f"{url}/health").json()
+        assert_loopback_only(listening(process_tree(proc.pid)))
+        ranks = health["processes"]
+        assert len(ranks) == 2 and ranks[0] == health["process"]
+        os.kill(ranks[1], signal.SIGKILL)
+        r = httpx.post(f"{url}/rollout/generate", content=msgpack.packb(
+            {"prompts": ["a cat"], "n_per_prompt": 1, "seed": 0, "steps": 2, "height": 32, "width": 32}),
+            headers={"content-type": MSGPACK}, timeout=60)
+        assert r.status_code == 503 and r.json() == {"error": "engine rank 1 of 2 died (exit code -9)"}, r.text
+        assert httpx.get(f"{url}/health").json()["status"] == "failed"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        assert time.monotonic() - start < 5.0
+        deadline = time.monotonic() + 10  # reaped by now: the server killed and joined its rank
+        while alive(ranks[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(ranks[0])

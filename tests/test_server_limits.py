@@ -166,7 +166,11 @@ def test_limits_are_validated_and_the_flags_default_to_them(capsys):
     assert err.count("\n") == 1 and "--max-steps must be an integer >= 1, got 0" in err
     serve = build_parser().parse_args(["serve", "--checkpoint", "x"])
     assert {f: getattr(serve, f) for f in vars(Limits())} == vars(Limits())
-    assert build_parser().parse_args(["serve", "--checkpoint", "x", "--max-batch", "4"]).max_samples == 4
+    # --max-batch is reward-serve's (images per merged reward call): serve refuses it, naming its own bound
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--checkpoint", "x", "--max-batch", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--max-samples" in err
 
 
 # -- strict types ------------------------------------------------------------------------------------------------
@@ -180,7 +184,7 @@ def test_limits_are_validated_and_the_flags_default_to_them(capsys):
     ("rollout", {"height": -32}, "positive multiple of 16"),
     ("rollout", {"width": True}, "'width' must be int, got bool"),
     ("rollout", {"seed": "0"}, "'seed' must be int, got str"),
-    ("rollout", {"negative_prompt": 5}, "'negative_prompt' must be str, got int"),
+    ("rollout", {"negative_prompt": 5}, "'negative_prompt' must be str or null, got int"),
     ("rollout", {"decode": 1}, "'decode' must be bool, got int"),
     ("rollout", {"cfg_scale": "4"}, "'cfg_scale' must be a finite float, got str"),
     ("rollout", {"cfg_scale": math.inf}, "'cfg_scale' must be a finite float"),

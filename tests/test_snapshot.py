@@ -48,7 +48,8 @@ def test_generate_writes_images_settings_and_a_reproducible_snapshot(snapshot, t
     out = snapshot.parent
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png", "0002.png", "0003.png"]
     settings = json.loads((out / "settings.json").read_text())
-    assert settings["params"]["sampler"] == "sde" and settings["seed"] == 7 and settings["num_images"] == 4
+    assert settings["params"]["sampler"] == "sde" and settings["seed"] == 7
+    assert settings["n_samples_per_prompt"] == 4  # the flag's name (it was num_images before the vocabulary was one)
     assert settings["engine"]["patch_group"] == "qwen_image" and settings["engine"]["weights_checksum"]
     again = generate(tiny_checkpoint, tmp_path)
     (first, meta), (second, meta2) = read(snapshot), read(again)

@@ -20,7 +20,7 @@ import tp_workers
 from trueflow.cli import main
 from trueflow.models import get_family
 from trueflow.parallel import engine as tp_engine
-from trueflow.parallel.comm import free_port
+from trueflow.net import free_port
 from trueflow.parallel.train_match import match_tp
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.parity.tp import run_tp_probe

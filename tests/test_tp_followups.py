@@ -19,7 +19,8 @@ from trueflow.engine.weights import load_engine_transformer
 from trueflow.models.ltx2.weights import NAMES, is_audio_only
 from trueflow.models.weight_map import expected_tensors
 from trueflow.parallel import engine as tp_engine
-from trueflow.parallel.comm import free_port, init_tp
+from trueflow.net import free_port
+from trueflow.parallel.comm import init_tp
 from trueflow.parity import tp as parity_tp
 from trueflow.parity.probe import ProbeSpec
 
@@ -30,7 +31,7 @@ def test_an_http_engine_sends_a_tp_server_cpu_tensors(monkeypatch, tp, device):
     `serve --tp 2` server, as they are to a one-process server (CUDA IPC)."""
     monkeypatch.setattr(HttpEngine, "health", lambda self: {"status": "ok", "tp": tp} if tp > 1 else {"status": "ok"})
     sent = {}
-    monkeypatch.setattr(http_engine, "push_lora", lambda url, state, *args: sent.update(state) or "sum")
+    monkeypatch.setattr(http_engine, "push_lora", lambda url, state, *args, **kwargs: sent.update(state) or "sum")
     with FakeTensorMode():
         lora = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 64, device="cuda"),
                 "transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 2, device="cuda")}

@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 from trueflow.cli import main
 from trueflow.models import get_family
 from trueflow.parallel import engine as tp_engine
-from trueflow.parallel.comm import TPGroup, free_port, init_tp
+from trueflow.net import free_port
+from trueflow.parallel.comm import TPGroup, init_tp
 from trueflow.parallel.train_match import match_tp
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 

@@ -14,7 +14,8 @@ import torch
 
 from conftest import assert_matches_recorded_run
 from trueflow.train.config import ParityConditionWarning, TrainConfig, config_from_argv
-from trueflow.train.dist import free_port
+from trueflow.net import free_port
+from trueflow.train.lock import LOCK_FILE
 from trueflow.train.metrics import TIMING_KEYS, read_metrics
 from trueflow.train.run import run_training
 
@@ -139,6 +140,7 @@ def test_two_ranks_each_roll_out_their_own_share(embedded_run, tiny_checkpoint, 
     out = tmp_path / "run"
     proc = torchrun(out, tiny_checkpoint, "--debug")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / LOCK_FILE).exists(), "rank 0 held the run folder's lock (rank 1 never refused) and released it"
     rows = read_metrics(out / "metrics.jsonl")
     assert_bitwise_run(rows, 3)
     assert_same_metrics(rows, embedded)

@@ -18,6 +18,7 @@ import torch
 from trueflow.cli import main
 from trueflow.train import checkpoint as ckpt
 from trueflow.train.config import TrainConfig, resume_changes
+from trueflow.train.lock import LOCK_FILE
 from trueflow.train.run import DEFAULT_CHECKPOINT
 from trueflow.train.metrics import read_metrics
 
@@ -99,6 +100,14 @@ def test_a_bad_settings_file_is_one_line(tmp_path, capsys, text, fragments):
     (["--fsdp-attention-backend", "bogus"], ("--fsdp-attention-backend bogus", "use _native_flash")),
     (["--patch-group", "bogus"], ("unknown patch group 'bogus'", "qwen_image")),
     (["--disable-patch", "bogus"], ("--disable-patch bogus: not a patch of group 'qwen_image'", "rms_norm")),
+    # every float in range: LTX-2.3's fps took 1e-30 and 1e308
+    (["--fps", "1e-30"], ("rollout.fps", "greater than or equal to 1")),
+    (["--fps", "1e308"], ("rollout.fps", "less than or equal to 1000")),
+    (["--noise-level", "1e300"], ("rollout.noise_level", "less than or equal to 100")),
+    (["--cfg-scale", "1e9"], ("rollout.cfg_scale", "less than or equal to 100")),
+    (["--lr", "3"], ("optim.lr", "less than or equal to 1")),
+    (["--clip-range", "1"], ("algorithm.clip_range", "less than 1")),
+    (["--max-grad-norm", "1e300"], ("optim.max_grad_norm", "less than or equal to 1000000")),
 ])
 def test_a_bad_flag_is_one_line(tmp_path, capsys, argv, fragments):
     rc, _, err = train(capsys, *argv, "--output-dir", str(tmp_path / "run"))
@@ -214,6 +223,7 @@ class _Opaque:
     (["--sampler", "cps"], "--rollout.sampler cps (the run has sde)"),
     (["--seed", "1"], "--seed 1 (the run has 0)"),
     (["--checkpoint", "pipe"], "--model.checkpoint pipe (the run has runs/tiny-checkpoint)"),
+    (["--resume", "auto", "--lr", "0.1"], "--optim.lr 0.1 (the run has 0.003)"),  # auto: that checkpoint too
 ])
 def test_a_resume_refuses_settings_that_change_the_math(tmp_path, capsys, monkeypatch, argv, shown):
     monkeypatch.chdir(tmp_path)
@@ -278,6 +288,67 @@ def test_a_failing_reward_stops_with_the_last_checkpoint_intact(saved_run, tmp_p
     assert digest(run) == before, "the failed rollout changed no file of the run"
 
 
+def test_a_failing_reward_before_any_checkpoint_says_none_exists(saved_run, tmp_path, capsys, monkeypatch):
+    """At the default cadence (--save-every 10) a reward failing at the first rollout finds no checkpoint: the line
+    says so and how to start again, instead of promising an intact one."""
+    src, argv = saved_run
+    monkeypatch.syspath_prepend(str(src.parent))
+    monkeypatch.setenv("TRUEFLOW_TEST_REWARD", "nan")
+    i = argv.index("--save-every")
+    fresh = [*argv[:i], *argv[i + 2:]]
+    fresh[fresh.index("--output-dir") + 1] = str(tmp_path / "run")
+    capsys.readouterr()
+    rc = main(fresh)
+    line = assert_one_line_error(rc, capsys.readouterr().err, "returned nan for image 0",
+                                 "no checkpoint was written before it stopped", "start again with --resume auto")
+    assert "is intact" not in line and ckpt.latest_checkpoint(tmp_path / "run") is None
+
+
+def test_ctrl_c_names_the_checkpoint_a_resume_continues_from(tmp_path, capsys, monkeypatch):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("trueflow.train.run.run_training", interrupted)
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run)]) == 130
+    assert capsys.readouterr().err == (f"trueflow train: interrupted (no checkpoint was written before it stopped "
+                                       f"(none in {run / 'checkpoints'}): start again with --resume auto)\n")
+    latest = fake_checkpoint(run, 1, TrainConfig(output_dir=str(run)))
+    assert main(["train", "--output-dir", str(run)]) == 130
+    assert capsys.readouterr().err == (f"trueflow train: interrupted (its last checkpoint is intact ({latest}): "
+                                       "--resume continues from it)\n")
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes(saved_run, tmpfs, capsys, monkeypatch):
+    """ENOSPC in a real run, its folder on a small tmpfs: the save of step 3 fails with one line naming the folder,
+    the bytes needed and free; no temporary folder stays, step 2 is untouched, and with room again `--resume`
+    finishes the run."""
+    src, argv = saved_run
+    monkeypatch.syspath_prepend(str(src.parent))
+    disk = tmpfs(64 << 20)
+    run = disk / "run"
+    shutil.copytree(src, run)
+    st = os.statvfs(disk)
+    one = sum(f.stat().st_size for f in (src / "checkpoints" / "step-000002").iterdir())
+    tmpfs((st.f_blocks - st.f_bfree) * st.f_frsize + one // 2, disk)  # room for a metrics line, not a checkpoint
+    before = digest(run / "checkpoints")
+    capsys.readouterr()
+    rc = main(resume(argv, run))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    errors = [line.partition("trueflow train: error: ")[2] for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err  # (on the line of the progress bar, which is redrawn below it when it closes)
+    for fragment in (f"cannot write checkpoint {run / 'checkpoints' / 'step-000003'} (the disk is full)", "bytes,",
+                     "are free there", "step-000002 is intact: free space and --resume"):
+        assert fragment in errors[0], (fragment, errors[0])
+    assert digest(run / "checkpoints") == before, "no temporary folder left, the checkpoints untouched"
+    assert not (run / LOCK_FILE).exists()
+    tmpfs(64 << 20, disk)
+    assert main(resume(argv, run)) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    assert ckpt.latest_checkpoint(run).name == "step-000003"
+
+
 def test_a_resume_past_a_truncated_checkpoint_runs_on(saved_run, tmp_path, capsys, monkeypatch):
     src, argv = saved_run
     run = tmp_path / "run"
@@ -298,7 +369,7 @@ def test_a_resume_past_a_truncated_checkpoint_runs_on(saved_run, tmp_path, capsy
 def test_a_failing_reward_stops_every_rank(tiny_checkpoint, tmp_path):
     """Two FSDP ranks: the reward runs on rank 0 only, and its failure reaches rank 1, which would otherwise wait
     for the rollout forever."""
-    from trueflow.train.dist import free_port
+    from trueflow.net import free_port
 
     (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TRUEFLOW_TEST_REWARD": "nan",
@@ -313,3 +384,4 @@ def test_a_failing_reward_stops_every_rank(tiny_checkpoint, tmp_path):
     assert proc.stderr.count("trueflow train: error: reward") == 2, proc.stderr[-3000:]
     assert proc.stderr.count("returned nan for image 0") == 2 and "exitcode  : 2" in proc.stderr
     assert "/trueflow/" not in proc.stderr, "no traceback through trueflow (torchrun prints its own)"
+    assert not (tmp_path / "run" / LOCK_FILE).exists(), "rank 0 released the run folder's lock on the error"

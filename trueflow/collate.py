@@ -79,16 +79,6 @@ def sample_cond(cond: Cond, i: int, streams: Mapping[str, str]) -> Cond:
     return out
 
 
-def concat_cond(conds: list[Cond], streams: Mapping[str, str]) -> Cond:
-    """Several collated batches' conditioning as one batch, in order: each cut into its samples (`sample_cond`) and
-    collated again, so each stream pads to the longest sample of all, with a mask where lengths differ (the
-    batch-invariant mode's merged forwards; outside it a mask breaks condition 2)."""
-    def rows(cond: Cond) -> int:
-        return next(v.shape[0] for v in cond.values() if v is not None)
-
-    return collate_cond([sample_cond(c, i, streams) for c in conds for i in range(rows(c))], streams)
-
-
 def cond_mask(cond: Cond, streams: Mapping[str, str]) -> torch.Tensor | None:
     """The first stream mask of a batch that is not all true (None: every stream of every sample is whole)."""
     return next((cond[m] for m in streams.values() if cond.get(m) is not None), None)

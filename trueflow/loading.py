@@ -17,25 +17,27 @@ class CheckpointError(FileNotFoundError):
     pass
 
 
-def transformer_dir(checkpoint: str | Path) -> Path:
-    """The folder holding the transformer's config.json: `checkpoint/transformer` or `checkpoint` itself."""
+def transformer_dir(checkpoint: str | Path, subfolder: str = "transformer") -> Path:
+    """The folder holding a transformer's config.json: `checkpoint/<subfolder>` (an expert's pipeline component,
+    `transformer` by default), or for the default `checkpoint` itself (a bare transformer folder)."""
     root = Path(checkpoint)
-    for d in (root / "transformer", root):
+    for d in (root / subfolder, root) if subfolder == "transformer" else (root / subfolder,):
         if (d / "config.json").is_file():
             return d
-    raise CheckpointError(f"no transformer config in {root} (looked for transformer/config.json and config.json); "
-                          f"make a tiny checkpoint with `trueflow init-checkpoint --size tiny --out DIR`")
+    raise CheckpointError(f"no transformer config in {root} (looked for {subfolder}/config.json"
+                          + (" and config.json" if subfolder == "transformer" else "") + "); make a tiny checkpoint "
+                          "with `trueflow init-checkpoint --size tiny --out DIR`")
 
 
-def read_transformer_config(checkpoint: str | Path) -> dict:
-    return json.loads((transformer_dir(checkpoint) / "config.json").read_text())
+def read_transformer_config(checkpoint: str | Path, subfolder: str = "transformer") -> dict:
+    return json.loads((transformer_dir(checkpoint, subfolder) / "config.json").read_text())
 
 
-def read_transformer_state_dict(checkpoint: str | Path,
-                                drops: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of the transformer, from one safetensors file or the shards an index names; those `drops` names
-    are left unread."""
-    d = transformer_dir(checkpoint)
+def read_transformer_state_dict(checkpoint: str | Path, drops: Callable[[str], bool] | None = None,
+                                subfolder: str = "transformer") -> dict[str, torch.Tensor]:
+    """All tensors of a transformer (the pipeline component `subfolder`), from one safetensors file or the shards
+    an index names; those `drops` names are left unread."""
+    d = transformer_dir(checkpoint, subfolder)
     index = d / "diffusion_pytorch_model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

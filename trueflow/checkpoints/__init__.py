@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import publish
+
 
 def init_checkpoint(
     out: str | Path, family: str | None = None, size: str = "tiny", seed: int = 0, overwrite: bool = False,
@@ -37,6 +39,7 @@ def init_checkpoint(
     try:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
         fam.presets.write_checkpoint(tmp, size, seed, dtype, device)
+        publish(tmp)  # safetensors writes its weight files 0600
         if out.is_dir() and any(out.iterdir()):
             # os.replace cannot overwrite a non-empty directory: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

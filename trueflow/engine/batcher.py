@@ -7,39 +7,42 @@ the round (or left), then the last one to arrive runs the merged forward for all
 rows. Between forwards the participants take turns (one holds the turn at a time and gives it up while it waits for
 a round): every op of a rollout, its text encoder and VAE included, runs with the process's whole intra-op thread
 pool as it does alone (on a CPU the thread count changes bf16 bits: parity condition 9), and no CUDA graph is
-captured while another thread launches kernels. Calls that cannot share a batch (another token grid, other static
-inputs or conditioning keys) run as one forward per kind in the same round. Each call's conditioning is cut into
-samples and collated again with the others' (`collate.concat_cond`): prompts of other lengths pad batch-locally with
-a text mask, which the mode's attention reads. A rollout that leaves (done, cancelled, failed) no longer holds the others up.
+captured while another thread launches kernels. Calls that cannot share a batch (another expert: a family of several
+switches transformer by step, and two rollouts may be at steps of different experts; another token grid, other
+static inputs or conditioning keys) run as one forward per kind in the same round. Each call's conditioning is cut
+into samples and collated again with the others' (`collate.sample_cond`, `collate.collate_cond`): prompts of other
+lengths pad batch-locally with a text mask, which the mode's attention reads. A rollout that leaves (done,
+cancelled, failed) no longer holds the others up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..collate import concat_cond
+from ..collate import collate_cond, sample_cond
 
 _TENSOR_KEYS = ("hidden_states", "timestep")
 
 
 class _Call:
-    def __init__(self, kwargs: dict[str, Any]):
-        self.kwargs = kwargs
+    def __init__(self, expert: int, kwargs: dict[str, Any]):
+        self.expert, self.kwargs = expert, kwargs
         self.out: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.done = False
 
 
 class ForwardBatcher:
-    """`__call__` is the model's forward (keyword inputs as the model takes them); `solo` runs a call alone (no other
-    rollout is in), `merged` runs a merged batch. `streams`: the family's text streams (`PipelineSide.text_streams`)."""
+    """`__call__(k, **inputs)` is expert k's forward (keyword inputs as the model takes them); `solo[k]` runs a call
+    alone (no other rollout is in), `merged[k]` runs a merged batch. `streams`: the family's text streams
+    (`PipelineSide.text_streams`)."""
 
-    def __init__(self, solo: Callable[..., torch.Tensor], merged: Callable[..., torch.Tensor],
+    def __init__(self, solo: Sequence[Callable[..., torch.Tensor]], merged: Sequence[Callable[..., torch.Tensor]],
                  streams: Mapping[str, str]):
         self.solo, self.merged, self.streams = solo, merged, streams
         self._cv = threading.Condition()
@@ -67,13 +70,13 @@ class ForwardBatcher:
                     self._run_round()
             self._turn.release()
 
-    def __call__(self, **kwargs: Any) -> torch.Tensor:
-        """The forward of one participant's call (a caller outside any participant runs alone)."""
+    def __call__(self, expert: int, **kwargs: Any) -> torch.Tensor:
+        """Expert `expert`'s forward of one participant's call (a caller outside any participant runs alone)."""
         waited = False
         with self._cv:
             alone = self._members <= 1 and not self._pending
             if not alone:
-                call = _Call(kwargs)
+                call = _Call(expert, kwargs)
                 self._pending.append(call)
                 if len(self._pending) >= self._members:
                     self._run_round()  # the last to arrive runs the round, holding the turn
@@ -83,7 +86,7 @@ class ForwardBatcher:
                     while not call.done:
                         self._cv.wait()
         if alone:
-            return self.solo(**kwargs)
+            return self.solo[expert](**kwargs)
         if waited:
             self._turn.acquire()
         if call.error is not None:
@@ -95,7 +98,7 @@ class ForwardBatcher:
         calls, self._pending = self._pending, []
         kinds: dict[tuple, list[_Call]] = {}
         for c in calls:
-            kinds.setdefault(_kind(c.kwargs), []).append(c)
+            kinds.setdefault((c.expert, _kind(c.kwargs)), []).append(c)
         for group in kinds.values():
             try:
                 outs = self._forward(group)
@@ -110,16 +113,18 @@ class ForwardBatcher:
         self._cv.notify_all()
 
     def _forward(self, group: list[_Call]) -> list[torch.Tensor]:
+        k = group[0].expert
         if len(group) == 1:
-            return [self.solo(**group[0].kwargs)]
+            return [self.solo[k](**group[0].kwargs)]
         first = group[0].kwargs
         conds = [{k: v for k, v in c.kwargs.items() if k not in _TENSOR_KEYS and k in _cond_keys(first)}
                  for c in group]
         rest = {k: v for k, v in first.items() if k not in _TENSOR_KEYS and k not in _cond_keys(first)}
         sizes = [c.kwargs["hidden_states"].shape[0] for c in group]
-        out = self.merged(hidden_states=torch.cat([c.kwargs["hidden_states"] for c in group]),
-                          timestep=torch.cat([c.kwargs["timestep"] for c in group]),
-                          **rest, **concat_cond(conds, self.streams))
+        cond = collate_cond([sample_cond(c, i, self.streams) for c, n in zip(conds, sizes) for i in range(n)],
+                            self.streams)
+        out = self.merged[k](hidden_states=torch.cat([c.kwargs["hidden_states"] for c in group]),
+                             timestep=torch.cat([c.kwargs["timestep"] for c in group]), **rest, **cond)
         self.merged_forwards += 1
         return list(out.split(sizes))
 

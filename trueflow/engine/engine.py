@@ -16,6 +16,7 @@ import json
 import math
 import struct
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,10 +26,11 @@ from tqdm import tqdm
 from ..collate import Cond
 from .. import loading
 from ..loading import CheckpointError
-from ..models import family_for_checkpoint
+from ..models import checkpoint_experts, family_for_checkpoint
 from ..sync.buckets import Bucket, unpack
 from . import weights
 from .batcher import ForwardBatcher
+from .guidance import distilled_entry, negative_prompt
 from .interface import RolloutRequest, StopCheck
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams, check_family_limits
@@ -50,13 +52,14 @@ def derive_seed(seed: int, *path: int) -> int:
 
 
 class Engine:
-    """Loads a diffusers pipeline folder of any model family: the engine transformer (with a rollout patch group)
-    in a model runner, the text encoder and tokenizer, the VAE and the scheduler config. On CUDA the
-    transformer's forwards replay CUDA graphs (one per shape, bitwise equal to eager; `cuda_graphs=False` runs
-    eagerly). `family` names the family where the folder's model_index.json does not. `tp`: this process is one
-    rank of a tensor-parallel engine (`parallel.comm.TPGroup`): its transformer holds the rank's shard of the
-    family's plan, loaded from rank 0's copy; every rank runs the same calls (`placement.process` drives them).
-    `progress`: every rollout shows a tqdm bar over its denoising steps on stderr."""
+    """Loads a diffusers pipeline folder of any model family: the engine transformer of each expert (the family's
+    `experts` of the folder; one patch group applied to each) in a model runner, the text encoder and tokenizer,
+    the VAE and the scheduler config. On CUDA the transformers' forwards replay CUDA graphs (one per shape and
+    expert, bitwise equal to eager; `cuda_graphs=False` runs eagerly). `family` names the family where the folder's
+    model_index.json does not. `tp`: this process is one rank of a tensor-parallel engine (`parallel.comm.TPGroup`):
+    its transformer holds the rank's shard of the family's plan, loaded from rank 0's copy; every rank runs the same
+    calls (`placement.process` drives them). `progress`: every rollout shows a tqdm bar over its denoising steps on
+    stderr."""
 
     def __init__(self, checkpoint: str | Path, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, cuda_graphs: bool = True,
@@ -71,20 +74,26 @@ class Engine:
         self.checkpoint, self.device, self.dtype = str(root), torch.device(device), dtype
         self.patch_group, self.disabled_patches = patch_group, tuple(disabled_patches)
         self.progress = progress
+        self.experts = checkpoint_experts(root, fam)
         if tp is None:
-            self.transformer = weights.load_engine_transformer(root, self.device, dtype, patch_group,
-                                                               disabled_patches, family=fam.name)
+            self.transformers = [weights.load_engine_transformer(root, self.device, dtype, patch_group,
+                                                                 disabled_patches, family=fam.name, subfolder=e.name)
+                                 for e in self.experts]
         else:
             from ..parallel.engine import build_tp_engine_transformer, scatter_shards, tp_plan
 
+            if len(self.experts) > 1:
+                raise ValueError(f"a tensor-parallel engine of several experts "
+                                 f"({', '.join(e.name for e in self.experts)}) is not supported: run it at --tp 1")
             # What the engine drops (LTX-2.3's audio stream) is left unread, so no rank is sent it.
             full = loading.read_transformer_state_dict(root, fam.engine.drops) if tp.rank == 0 else None
             shards = scatter_shards(tp_plan(fam, tp.size), full, tp, self.device)
             del full
-            self.transformer = build_tp_engine_transformer(loading.read_transformer_config(root), shards, tp,
-                                                           self.device, dtype, patch_group, disabled_patches,
-                                                           family=fam.name)
-        self.runner = ModelRunner(self.transformer, fam, self.device, dtype, cuda_graphs)
+            self.transformers = [build_tp_engine_transformer(loading.read_transformer_config(root), shards, tp,
+                                                             self.device, dtype, patch_group, disabled_patches,
+                                                             family=fam.name)]
+        self.transformer = self.transformers[0]  # the first expert's (the only one of most families)
+        self.runner = ModelRunner(list(zip(self.experts, self.transformers)), fam, self.device, dtype, cuda_graphs)
         self.tokenizer, self.text_encoder = fam.pipeline.load_text(root, self.device, dtype)
         self.vae = fam.pipeline.load_decoder(root, self.device, dtype)
         self.scheduler_config = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
@@ -161,7 +170,9 @@ class Engine:
                              f"docs/patch-group.md)" + (" (or, in the batch-invariant mode, the microgroup a multiple "
                                                         "of it: whole prompts)" if self.runner.batch_invariant else ""))
         pipe = self.family.pipeline
-        check_family_limits(params, self.family)
+        check_family_limits(params, self.family, len(self.experts))
+        # The negative prompt the CFG branch runs with (a request naming none takes the family's), recorded as run.
+        params = replace(params, negative_prompt=negative_prompt(self.family.guidance, params.negative_prompt))
         grid = pipe.latent_grid(params.height, params.width, params.num_frames)
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         negative = self._encode(params.negative_prompt, params) if params.cfg else None
@@ -195,7 +206,8 @@ class Engine:
                 microgroups.append(mg)
                 if request.decode:
                     images.append(self.vae.decode(mg.latents[-1], params.height, params.width, params.num_frames))
-        info = {"checkpoint": self.checkpoint, "family": self.family.name, "patch_group": self.patch_group,
+        info = {"checkpoint": self.checkpoint, "family": self.family.name,
+                "experts": [e.name for e in self.experts], "patch_group": self.patch_group,
                 "disabled_patches": list(self.disabled_patches),
                 "patches_applied": list(self.transformer.patches_applied),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device)}
@@ -207,8 +219,10 @@ class Engine:
 
     def _encode(self, prompt: str, params: SamplingParams) -> Cond:
         # One prompt per text-encoder call: its embeddings then never depend on the other prompts of a request.
-        return self.family.pipeline.encode_prompts(self.tokenizer, self.text_encoder, [prompt],
+        cond = self.family.pipeline.encode_prompts(self.tokenizer, self.text_encoder, [prompt],
                                                   params.max_sequence_length)[0]
+        # A guidance-distilled model's scale is a model input of each branch, recorded with its conditioning.
+        return {**cond, **distilled_entry(self.family.guidance, params.distilled_guidance_scale, self.device)}
 
     @staticmethod
     def _sde_steps(params: SamplingParams, seed: int, g: int, m: int) -> list[int]:

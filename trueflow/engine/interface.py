@@ -21,13 +21,19 @@ if TYPE_CHECKING:
 
     from .trajectory import Rollout
 
-__all__ = ["EngineWrapper", "RolloutCancelled", "RolloutEngine", "RolloutRequest", "StopCheck"]
+__all__ = ["EngineDied", "EngineWrapper", "RolloutCancelled", "RolloutEngine", "RolloutRequest", "StopCheck"]
 
 StopCheck = Callable[[], bool]  # asked between denoising steps; True stops the rollout (RolloutCancelled)
 
 
 class RolloutCancelled(Exception):
     """A rollout stopped between denoising steps because its `should_stop` said so; nothing is returned."""
+
+
+class EngineDied(RuntimeError):
+    """The engine is gone: its process or one of its tensor-parallel ranks died, or its server stopped answering.
+    The message is one line naming what died (its traceback, if any, went to the log); every later call fails
+    alike. A server answers it 503, a training run stops on it and resumes from its last checkpoint."""
 
 
 class RolloutEngine(Protocol):

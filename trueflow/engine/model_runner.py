@@ -1,28 +1,37 @@
-"""The model runner: one engine transformer (CUDA-graphed on CUDA) and the denoise loop of one microgroup over it.
+"""The model runner: the engine transformers (one per expert, each CUDA-graphed on CUDA) and the denoise loop of one
+microgroup over them.
 
-Each step runs two separate branch forwards (positive, then negative; in the batch-invariant mode one forward of
-both), true CFG, then an ODE step or, inside the SDE window, a stochastic step with its log-prob. Everything
-family-specific (the conditioning's streams, the initial noise's layout and its packing into tokens, the latents'
-dtype, what the pipeline makes of the model's output) comes from the model family.
+Each step runs on the expert that serves its timestep (`models.spec.Expert`, recorded per step), guided as the
+family declares (`guidance.guide`: two separate branch forwards, one batched forward, or the positive branch alone;
+in the batch-invariant mode always one batched forward, whose rows are the separate calls' bits), then an ODE step or, inside the SDE window, a stochastic step with its log-prob. Everything family-specific (the
+conditioning's streams, the initial noise's layout and its packing into tokens, the latents' dtype, what the
+pipeline makes of the model's output) comes from the model family.
+
+Where several experts' tensors travel as one state dict (a LoRA update, its checksum, the weights checksum), the
+first expert's names are diffusers' own and another expert's are prefixed `"<expert>."` (`spec.expert_prefix`); a
+one-expert engine therefore holds, sends and checksums exactly what it did before experts existed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from ..collate import Cond, collate_cond, concat_cond
+from ..collate import Cond, collate_cond
 from ..layers.linear import Linear
-from ..models.spec import Grid, ModelFamily
+from ..models.spec import Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
 from . import weights
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
 from .batcher import ForwardBatcher
 from .cuda_graph import GraphedForward
-from .guidance import true_cfg
+from .guidance import BranchForward, expert_scale, guide
 from .interface import RolloutCancelled
 from .sampling_params import SamplingParams
 from .samplers import cps_step, ode_step, sample_noise, sde_step
@@ -30,61 +39,96 @@ from .trajectory import Microgroup, StepRecord
 
 
 class ModelRunner:
-    """Owns the engine transformer: its forwards (replayed CUDA graphs, one per shape, bitwise equal to eager;
-    `cuda_graphs=False` runs eagerly), its weights and LoRA, and the denoise loop."""
+    """Owns the engine transformers, one per expert (in the family's order for the checkpoint): their forwards
+    (replayed CUDA graphs, one per shape and expert, bitwise equal to eager; `cuda_graphs=False` runs eagerly),
+    their weights and LoRA, and the denoise loop."""
 
-    def __init__(self, transformer: torch.nn.Module, family: ModelFamily, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = True):
-        self.transformer, self.family, self.device, self.dtype = transformer, family, device, dtype
-        self.forward: Callable[..., torch.Tensor] = GraphedForward(transformer,
-                                                                   enabled=cuda_graphs and device.type == "cuda")
-        # The batch-invariant mode (its patch marks the model): a branch's rows are the bits of its own call there, so
-        # the CFG branches run as one forward, and several rollouts' forwards may merge (`merge_forwards`).
-        self.batch_invariant = bool(getattr(transformer, "batch_invariant", False))
+    def __init__(self, experts: Sequence[tuple[Expert, nn.Module]], family: ModelFamily, device: torch.device,
+                 dtype: torch.dtype, cuda_graphs: bool = True):
+        self.experts = tuple(e for e, _ in experts)
+        self.names = [e.name for e in self.experts]
+        self.transformers = [m for _, m in experts]
+        self.transformer = self.transformers[0]
+        self.family, self.device, self.dtype = family, device, dtype
+        self.forwards: list[Callable[..., torch.Tensor]] = [
+            GraphedForward(m, enabled=cuda_graphs and device.type == "cuda") for m in self.transformers]
+        # The batch-invariant mode (its patch marks each model): a sample's rows are the bits of its own call there,
+        # so the CFG branches run as one forward, a microgroup may hold several prompts, and several rollouts'
+        # forwards may merge (`merge_forwards`).
+        self.batch_invariant = all(getattr(m, "batch_invariant", False) for m in self.transformers)
+        self.guidance = replace(family.guidance, branches="batched") if self.batch_invariant and \
+            family.guidance.branches == "separate" else family.guidance
         self.batcher: ForwardBatcher | None = None
 
     def merge_forwards(self) -> ForwardBatcher:
         """From now on, rollouts run concurrently (each inside `batcher.participant()`) share one forward per round
-        (`engine.batcher`); batch-invariant mode only. A rollout alone keeps its CUDA graphs; a merged batch runs
-        eagerly (its shape changes with what merges: a graph per composition would not pay)."""
+        (`engine.batcher`; a round merges only calls on the same expert); batch-invariant mode only. A rollout alone
+        keeps its CUDA graphs; a merged batch runs eagerly (its shape changes with what merges: a graph per
+        composition would not pay)."""
         if not self.batch_invariant:
             raise ValueError("merging rollouts' forwards needs the batch-invariant mode (--batch-invariant): outside "
                              "it a sample's bits depend on the batch it runs in")
         if self.batcher is None:
-            self.batcher = ForwardBatcher(self.forward, self.transformer, self.family.pipeline.text_streams)
-            self.forward = self.batcher
+            self.batcher = ForwardBatcher(self.forwards, self.transformers, self.family.pipeline.text_streams)
+            self.forwards = [partial(self.batcher, k) for k in range(len(self.transformers))]
         return self.batcher
 
     # -- weights -------------------------------------------------------------------------------------------
     def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
                     merge_mode: str | None = None) -> None:
-        """Install a LoRA given as PEFT-format tensors or as buckets of them (`sync.buckets`). Packed, a same-layout
-        update takes the arena's fast path (`lora_arena`); a tensor-parallel rank takes its slice of the tensors."""
-        if getattr(self.transformer, "tp", None) is not None:
+        """Install a LoRA given as PEFT-format tensors or as buckets of them (`sync.buckets`), replacing each
+        expert's (an expert the update names no tensor of is left without one). Packed, a same-layout update takes
+        the arena's fast path (`lora_arena`); a tensor-parallel rank takes its slice of the tensors. Several experts:
+        each expert's part is checked before any is installed, so a bad update changes nothing."""
+        if len(self.transformers) > 1:
+            parts = split_by_expert(unpack(state) if isinstance(state, list) else state, self.names)
+            for model, part in zip(self.transformers, parts):
+                weights.update_lora(model, part, scale, merge_mode, check_only=True)
+            for model, part in zip(self.transformers, parts):
+                self._update_one(model, part, scale, merge_mode)
+        else:
+            self._update_one(self.transformer, state, scale, merge_mode)
+
+    @staticmethod
+    def _update_one(model: nn.Module, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
+                    merge_mode: str | None) -> None:
+        if getattr(model, "tp", None) is not None:
             from ..parallel.engine import update_lora_tp
 
-            update_lora_tp(self.transformer, unpack(state) if isinstance(state, list) else state, scale, merge_mode)
+            update_lora_tp(model, unpack(state) if isinstance(state, list) else state, scale, merge_mode)
         elif (buckets := state if isinstance(state, list) else as_buckets(state)) is not None:
-            update_lora_packed(self.transformer, buckets, scale, merge_mode)
+            update_lora_packed(model, buckets, scale, merge_mode)
         else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
-            self.transformer.lora_arena = None
-            weights.update_lora(self.transformer, state, scale, merge_mode)
+            model.lora_arena = None
+            weights.update_lora(model, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         if getattr(self.transformer, "tp", None) is not None:
             raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
                              "with --tp 1, or start the engine from a checkpoint holding them")
+        if len(self.transformers) > 1:
+            raise ValueError(f"full-weight updates of an engine of {len(self.transformers)} experts "
+                             f"({', '.join(self.names)}) are not supported: start the engine from a checkpoint "
+                             "holding the weights")
         self.family.engine.load_weights(self.transformer, state_dict)
         self.transformer.lora_arena = None  # the LoRA was cleared: its arena's buffers go too
 
     def lora_checksum(self) -> str:
-        return lora_checksum(self.transformer)
+        if len(self.transformers) == 1:
+            return lora_checksum(self.transformer)
+        return tensors_checksum(self._prefixed(weights.lora_state))
 
     def weights_checksum(self) -> str:
-        tensors = dict(self.transformer.named_parameters())
-        tensors.update({f"lora.{k}": v for k, v in weights.lora_state(self.transformer).items()})
-        scales = sorted({a.scale for m in self.transformer.modules() if isinstance(m, Linear) for a in m.adapters if a})
+        tensors = self._prefixed(lambda m: dict(m.named_parameters()))
+        tensors.update({f"lora.{k}": v for k, v in self._prefixed(weights.lora_state).items()})
+        scales = sorted({a.scale for t in self.transformers for m in t.modules() if isinstance(m, Linear)
+                         for a in m.adapters if a})
         return tensors_checksum(tensors, extra=f"lora_scales={scales}")
+
+    def _prefixed(self, tensors_of: Callable[[nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Every expert's tensors under its `expert_prefix` names."""
+        return {f"{expert_prefix(self.names, k)}{name}": t for k, model in enumerate(self.transformers)
+                for name, t in tensors_of(model).items()}
 
     # -- denoise loop --------------------------------------------------------------------------------------
     def denoise(self, p: int, sample_indices: list[int], gens: list[torch.Generator],
@@ -98,8 +142,7 @@ class ModelRunner:
         pipe = self.family.pipeline
         # One prompt per microgroup: every row has the same length, so every mask collapses to None. (In the
         # batch-invariant mode a microgroup may hold several prompts, one entry per sample, collated with a mask.)
-        positive = conds[0] if isinstance(conds[0], list) else [conds[0]] * b
-        pos = collate_cond(positive, pipe.text_streams)
+        pos = collate_cond(conds[0] if isinstance(conds[0], list) else [conds[0]] * b, pipe.text_streams)
         neg = collate_cond([conds[1]] * b, pipe.text_streams) if conds[1] is not None else None
         static = pipe.static_inputs(params) if pipe.static_inputs is not None else {}
         # The pipeline's prepare_latents: drawn in the latent dtype, then packed into tokens. Made contiguous: a
@@ -109,6 +152,10 @@ class ModelRunner:
         x = pipe.pack_latents(sample_noise(shape, gens, pipe.latent_dtype or self.dtype, self.device)).contiguous()
         latents, guided, records = [x], [], [] if record else None
         log_probs = torch.zeros(params.steps, b, dtype=torch.float32, device=self.device)
+        # The expert of each step, from its schedule timestep (WanPipeline's boundary switch); recorded.
+        schedule_t = timesteps.cpu()  # one transfer, not one per step and expert
+        step_experts = [expert_at(self.experts, schedule_t[i]) for i in range(params.steps)]
+        branches = [_branch(forward, grid, static) for forward in self.forwards]
         for i in range(params.steps):
             if should_stop is not None and should_stop():
                 raise RolloutCancelled(f"stopped before step {i + 1} of {params.steps}")
@@ -116,9 +163,9 @@ class ModelRunner:
             # the pipeline does under the family's patch group, and keeps fp32 on the fast path.
             t = timesteps[i].expand(b, *timesteps.shape[1:])
             # The model reads the latents in its own dtype (a no-op where the pipeline keeps them in it).
-            model_input = x.to(self.dtype)
-            pos_out, neg_out = self._branches(model_input, t, grid, static, pos, neg)
-            v = true_cfg(pos_out, neg_out, params.cfg_scale) if neg_out is not None else pos_out
+            out = guide(self.guidance, branches[step_experts[i]], x.to(self.dtype), t, pos, neg,
+                        expert_scale(step_experts[i], params.cfg_scale, params.cfg_scale_2), pipe.text_streams)
+            pos_out, neg_out, v = out.positive, out.negative, out.output
             if pipe.model_output is not None:
                 v = pipe.model_output(v, x, sigmas[i])
             if i in sde_steps:
@@ -142,17 +189,13 @@ class ModelRunner:
             prompt_index=p, sample_indices=sample_indices, grid=grid,
             latents=torch.stack(latents), sigmas=sigmas, timesteps=timesteps, log_probs=log_probs,
             sde_steps=sde_steps, guided_outputs=torch.stack(guided) if guided else x.new_empty(0, *x.shape),
-            cond=pos, negative_cond=neg, static=static, records=records)
+            cond=pos, negative_cond=neg, experts=[self.names[k] for k in step_experts], static=static,
+            records=records)
 
-    def _branches(self, x: torch.Tensor, t: torch.Tensor, grid: Grid, static: dict, pos: Cond,
-                  neg: Cond | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The CFG branches' model outputs: two separate forwards (parity needs them: a batch of both runs other GEMM
-        shapes), or in the batch-invariant mode one forward of both, whose rows are the two calls' bits."""
-        if neg is None:
-            return self.forward(hidden_states=x, timestep=t, grid=grid, **static, **pos), None
-        if not self.batch_invariant:
-            return (self.forward(hidden_states=x, timestep=t, grid=grid, **static, **pos),
-                    self.forward(hidden_states=x, timestep=t, grid=grid, **static, **neg))
-        both = self.forward(hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]), grid=grid, **static,
-                            **concat_cond([pos, neg], self.family.pipeline.text_streams))
-        return both[:x.shape[0]], both[x.shape[0]:]
+
+def _branch(forward: Callable[..., torch.Tensor], grid: Grid, static: dict) -> BranchForward:
+    """One expert's forward as `guidance.guide` calls it, with the microgroup's grid and static inputs bound."""
+    def branch(hidden_states: torch.Tensor, timestep: torch.Tensor, cond: Cond) -> torch.Tensor:
+        return forward(hidden_states=hidden_states, timestep=timestep, grid=grid, **static, **cond)
+
+    return branch

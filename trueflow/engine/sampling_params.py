@@ -12,6 +12,13 @@ if TYPE_CHECKING:  # a leaf: the wire format and the HTTP client read it without
     from ..models.spec import ModelFamily
 
 SAMPLERS = ("ode", "sde", "cps")
+# The float inputs' ranges (TrainConfig takes the same): far beyond any real use (flow-GRPO's noise levels are
+# 0.7-1.2 and its CFG 4.0; video runs at 8-120 fps), and narrow enough that what follows from them stays finite
+# and meaningful: the SDE step's a·sqrt(σ/(1-σ)), CFG's s·(pos - neg) in bf16, and LTX-2.3's RoPE positions in
+# seconds (frame / fps), which 1e-30 fps blows up and 1e308 fps collapses to 0.
+NOISE_LEVEL_MAX = 100.0
+CFG_SCALE_MAX = 100.0
+FPS_MIN, FPS_MAX = 1.0, 1000.0
 
 
 @dataclass
@@ -20,7 +27,9 @@ class SamplingParams:
     sampler: str = "sde"  # "ode" | "sde" | "cps"
     noise_level: float = 0.7  # a, of the SDE and CPS steps
     cfg_scale: float = 4.0  # true CFG when > 1 (as the pipeline: 1 runs the positive branch alone)
-    negative_prompt: str = " "
+    cfg_scale_2: float | None = None  # a second expert's CFG scale (WanPipeline's guidance_scale_2); None: cfg_scale
+    distilled_guidance_scale: float | None = None  # a guidance-distilled model's input (FLUX); None: its default
+    negative_prompt: str | None = None  # the CFG branch's; None: the family's (`Guidance.negative_prompt`)
     num_sde_steps: int | None = None  # stochastic steps per trajectory; None: every step (sde/cps)
     sde_window: tuple[int, int] | None = None  # half-open step range the window lies in; None: all steps
     height: int = 64
@@ -35,16 +44,27 @@ class SamplingParams:
             self.sde_window = tuple(self.sde_window)  # e.g. a list read back from JSON
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        for name in ("noise_level", "cfg_scale", "fps"):  # NaN slips through every comparison below
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("noise_level", "cfg_scale", "fps", "cfg_scale_2", "distilled_guidance_scale"):
+            value = getattr(self, name)  # NaN slips through every comparison below
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SAMPLERS)}")
         if self.sampler != "ode" and not self.noise_level > 0:
             raise ValueError(f"the {self.sampler} sampler needs noise_level > 0, got {self.noise_level}; "
                              f"use sampler='ode' for deterministic sampling")
+        if not 0 <= self.noise_level <= NOISE_LEVEL_MAX:
+            raise ValueError(f"noise_level must be in 0..{NOISE_LEVEL_MAX:g} (flow-GRPO uses 0.7-1.2), "
+                             f"got {self.noise_level}")
         if self.cfg_scale < 1:
             raise ValueError(f"cfg_scale must be >= 1 (1 turns guidance off), got {self.cfg_scale}")
+        if self.cfg_scale > CFG_SCALE_MAX:
+            raise ValueError(f"cfg_scale must be at most {CFG_SCALE_MAX:g} (flow-GRPO uses 4.0), got {self.cfg_scale}")
+        if self.cfg_scale_2 is not None and not 1 <= self.cfg_scale_2 <= CFG_SCALE_MAX:
+            raise ValueError(f"cfg_scale_2 must be in 1..{CFG_SCALE_MAX:g} (None: cfg_scale), got {self.cfg_scale_2}")
+        if self.distilled_guidance_scale is not None and not 0 <= self.distilled_guidance_scale <= CFG_SCALE_MAX:
+            raise ValueError(f"distilled_guidance_scale must be in 0..{CFG_SCALE_MAX:g} (FLUX.1-dev's default is "
+                             f"3.5), got {self.distilled_guidance_scale}")
         if self.sampler == "ode" and (self.num_sde_steps is not None or self.sde_window is not None):
             raise ValueError("num_sde_steps/sde_window need a stochastic sampler: set sampler='sde' or 'cps', "
                              "or leave them unset for ODE sampling")
@@ -58,8 +78,8 @@ class SamplingParams:
             if not (0 <= lo < hi <= self.steps and hi - lo >= self.num_sde_steps):
                 raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= lo < hi <= steps={self.steps} "
                                  f"and hold num_sde_steps={self.num_sde_steps} steps")
-        if not self.fps > 0:
-            raise ValueError(f"fps must be > 0, got {self.fps}")
+        if not FPS_MIN <= self.fps <= FPS_MAX:
+            raise ValueError(f"fps must be in {FPS_MIN:g}..{FPS_MAX:g} frames a second, got {self.fps}")
         if self.num_frames < 1:
             raise ValueError(f"num_frames must be >= 1 (1: an image), got {self.num_frames}")
         if self.rollout_microgroup_size is not None and self.rollout_microgroup_size < 1:
@@ -71,8 +91,14 @@ class SamplingParams:
         return self.cfg_scale > 1
 
 
-def check_family_limits(params: SamplingParams, family: ModelFamily) -> None:
-    """The image sizes, frame count and text length `family`'s pipeline takes (ValueError naming the rule)."""
+def check_family_limits(params: SamplingParams, family: ModelFamily, experts: int | None = None) -> None:
+    """The image sizes, frame count, text length and guidance `family`'s pipeline takes (ValueError naming the
+    rule); `experts`: the checkpoint's expert count, where known (a per-expert scale needs two)."""
+    from .guidance import check_guidance, check_negative_prompt
+
+    check_guidance(family.name, family.guidance, params.cfg_scale, params.cfg_scale_2,
+                   params.distilled_guidance_scale, experts)
+    check_negative_prompt(family.name, family.guidance, params.cfg_scale, params.negative_prompt)
     granule = family.pipeline.pixels_per_token
     for name in ("height", "width"):
         v = getattr(params, name)

@@ -15,7 +15,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from ..files import publish
 from ..models import get_family
+from .guidance import expert_scale
 from .trajectory import Rollout
 
 FORMAT = "trueflow-snapshot/2"  # /2: conditioning under its model-input names, `grid` for `img_shape`
@@ -50,6 +52,12 @@ def snapshot_tensors(rollout: Rollout) -> dict[str, torch.Tensor]:
 
 def snapshot_metadata(rollout: Rollout) -> dict:
     """The JSON description stored in the file's metadata (documented in docs/snapshot.md)."""
+    guidance, params = get_family(rollout.engine["family"]).guidance, rollout.params
+    order = rollout.engine["experts"]  # the engine's experts, in the pipeline's order
+
+    def cfg_scales(experts: list[str]) -> list[float]:  # what each step was guided with (CFG on: cfg_scale > 1)
+        return [expert_scale(order.index(e), params.cfg_scale, params.cfg_scale_2) for e in experts]
+
     return {
         "format": FORMAT,
         "engine": rollout.engine,
@@ -59,8 +67,13 @@ def snapshot_metadata(rollout: Rollout) -> dict:
         "first_prompt": rollout.first_prompt,
         "dropped": rollout.dropped,
         "params": asdict(rollout.params),
+        "guidance": {"branches": guidance.branches,
+                     "formula": None if guidance.formula is None else guidance.formula.__name__,
+                     "distilled_input": guidance.distilled_input},
         "microgroups": [{"prompt_index": mg.prompt_index, "sample_indices": mg.sample_indices,
-                         "grid": list(mg.grid), "static": mg.static, "sde_steps": mg.sde_steps} for mg in rollout.microgroups],
+                         "grid": list(mg.grid), "static": mg.static, "sde_steps": mg.sde_steps,
+                         "experts": mg.experts, "cfg_scales": cfg_scales(mg.experts)}
+                        for mg in rollout.microgroups],
         # A replay is bitwise only with the same kernels: same versions, and on CPU the same thread count.
         "torch_num_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
@@ -74,4 +87,5 @@ def save_snapshot(rollout: Rollout, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(snapshot_tensors(rollout), str(path),
               metadata={"format": FORMAT, METADATA_KEY: json.dumps(snapshot_metadata(rollout))})
+    publish(path)  # safetensors writes 0600
     return path

@@ -52,6 +52,9 @@ class Microgroup:
     # and `encoder_hidden_states_mask`, None = all tokens valid: always, for one prompt)
     cond: Cond
     negative_cond: Cond | None  # the negative branch's; None without CFG
+    # [T] the expert (its pipeline component, e.g. "transformer_2") that ran each step: what the trainer re-scores
+    # each step with, never re-derived from the timesteps
+    experts: list[str]
     static: dict = field(default_factory=dict)  # the model's non-tensor inputs (e.g. a video's fps), both branches
     records: list[StepRecord] | None = None  # one per step, with record_snapshot=True
 

@@ -37,10 +37,12 @@ def build_engine_transformer(
 
 
 def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = torch.bfloat16,
-                            patch_group: str = "none", disabled_patches=(), family: str | None = None) -> nn.Module:
-    config = loading.read_transformer_config(checkpoint)
+                            patch_group: str = "none", disabled_patches=(), family: str | None = None,
+                            subfolder: str = "transformer") -> nn.Module:
+    """The engine model of the checkpoint's transformer `subfolder` (an expert's pipeline component)."""
+    config = loading.read_transformer_config(checkpoint, subfolder)
     drops = family_for_config(config, family).engine.drops  # left unread: LTX-2.3's audio stream
-    return build_engine_transformer(config, loading.read_transformer_state_dict(checkpoint, drops),
+    return build_engine_transformer(config, loading.read_transformer_state_dict(checkpoint, drops, subfolder),
                                     device, dtype, patch_group, disabled_patches, family)
 
 
@@ -63,13 +65,17 @@ def resolve_lora_merge(model: nn.Module, requested: str | None) -> bool:
 
 
 def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
-                merge_mode: str | None = None) -> None:
+                merge_mode: str | None = None, check_only: bool = False) -> None:
     """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing: names, shapes and the values as the
     engine's dtype holds them, scale included, are checked first (the family's `set_lora`), and a bad update
-    raises WeightLoadError (a ValueError) naming every problem, with the previous weights left in place."""
+    raises WeightLoadError (a ValueError) naming every problem, with the previous weights left in place.
+    `check_only`: check and stop (the checks hold for both merge modes)."""
     engine = _family(model).engine
-    engine.set_lora(model, engine.parse_peft_state_dict(peft_state_dict), scale,
-                    merge=resolve_lora_merge(model, merge_mode))
+    lora = engine.parse_peft_state_dict(peft_state_dict)
+    if check_only:
+        engine.set_lora(model, lora, scale, merge=False, check_only=True)
+    else:
+        engine.set_lora(model, lora, scale, merge=resolve_lora_merge(model, merge_mode))
 
 
 def lora_slots(model: nn.Module) -> list[tuple[str, Linear, int]]:

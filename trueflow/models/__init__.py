@@ -13,7 +13,7 @@ import json
 import pkgutil
 from pathlib import Path
 
-from .spec import ModelFamily
+from .spec import Expert, ModelFamily
 
 
 @functools.cache
@@ -61,6 +61,20 @@ def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> 
     return match[0]
 
 
+def checkpoint_experts(checkpoint: str | Path, family: ModelFamily) -> tuple[Expert, ...]:
+    """The transformers (experts) of a pipeline folder and the timesteps each serves: the family's `experts` of its
+    model_index.json (the pipeline config; none for a bare transformer folder) and its scheduler config (the
+    family's default where the folder has none). ValueError naming the folder if they are inconsistent."""
+    root = Path(checkpoint)
+    index, scheduler = root / "model_index.json", root / "scheduler" / "scheduler_config.json"
+    model_index = json.loads(index.read_text()) if index.is_file() else {}
+    config = json.loads(scheduler.read_text()) if scheduler.is_file() else dict(family.pipeline.scheduler_config)
+    try:
+        return family.experts(model_index, config)
+    except ValueError as e:
+        raise ValueError(f"{root}: {e}") from None
+
+
 def family_for_config(config: dict, family: str | None = None) -> ModelFamily:
     """The family of a diffusers transformer config, from its `_class_name` (a preset dict has none: then
     `family`, or the default family)."""
@@ -86,3 +100,21 @@ def family_for_patch_group(group: str) -> ModelFamily | None:
             return f
     names = [g for f in families().values() for g in f.patch_groups]
     raise ValueError(f"unknown patch group {group!r}; choose one of {', '.join(['none', *names])}")
+
+
+def parity_group(family: ModelFamily) -> str:
+    """The patch group that makes `family`'s engine train-exact: the first it declares."""
+    return next(iter(family.patch_groups))
+
+
+def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch-group") -> str:
+    """The patch group an engine of `family` runs: `group`, or (None) the family's parity group; `none` keeps the
+    engine's fast numerics. A group of another family is refused, naming the right one: its patches would set
+    layers this family's engine does not have, or not all of the ones it has."""
+    if group is None:
+        return parity_group(family)
+    owner = family_for_patch_group(group)  # raises on an unknown group, with the known names
+    if owner is not None and owner.name != family.name:
+        raise ValueError(f"{flag} {group} is the {owner.name} family's group, and this is a {family.name} "
+                         f"checkpoint: use {flag} {parity_group(family)} (or none)")
+    return group

@@ -10,16 +10,17 @@ docs/families.md describes each field and the steps to add a family.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
 from ..collate import Cond
-from ..parallel.plan import TPPlan
+from .tp_plan import TPPlan
 from ..patches import PatchGroup
 
 Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video
@@ -131,6 +132,126 @@ class Presets:
     write_checkpoint: Callable[[Path, str, int, torch.dtype, Any], None]  # (empty folder, size, seed, dtype, device)
 
 
+class GuidanceFormula(Protocol):
+    def __call__(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided model output from the two branches' outputs (`models.cfg`: `plain_cfg`, `rescaled_cfg`);
+        `scale` a python float, as the pipelines keep it."""
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """Classifier-free guidance as the family's pipeline runs it; the engine's denoise loop, the trainer's re-score,
+    the parity probe and the snapshot replays all take it from here (`engine.guidance.guide` runs it).
+
+    `branches`: how the two branches run when `cfg_scale > 1`:
+    - "separate": two forwards, positive then negative (QwenImagePipeline, WanPipeline, FluxPipeline's true CFG);
+    - "batched": ONE forward of the rows `[negative × B, positive × B]` (latents and timestep repeated, the
+      conditioning collated as one batch of 2B samples), its output chunked back in that order
+      (StableDiffusion3Pipeline: `torch.cat([latents] * 2)` with `torch.cat([negative, positive])` embeddings);
+    - "none": the family takes no CFG (`cfg_scale > 1` is refused; `formula` is None).
+    `distilled_input`: the model keyword that takes a guidance-distilled scale (FLUX.1-dev: `guidance`, an fp32
+    `[B]` tensor, the pipeline's `full([1], guidance_scale).expand(B)`), recorded as a conditioning entry of both
+    branches; `distilled_default` the pipeline's default scale. None: the family has no such input.
+    `per_expert_scale`: every expert after the first may take its own scale (`cfg_scale_2`; WanPipeline's
+    `guidance_scale_2`, which defaults to `guidance_scale`).
+    `negative_prompt`: the negative prompt of a request that names none (`SamplingParams.negative_prompt` None):
+    trueflow's `" "` for Qwen-Image (its recipe's); None where the pipeline's default is no negative prompt and it
+    runs no CFG without one (FluxPipeline's true CFG needs `negative_prompt`): `cfg_scale > 1` is then refused
+    unless the request names one."""
+
+    branches: Literal["separate", "batched", "none"]
+    formula: GuidanceFormula | None = None
+    distilled_input: str | None = None
+    distilled_default: float | None = None
+    per_expert_scale: bool = False
+    negative_prompt: str | None = " "
+
+    def __post_init__(self) -> None:
+        if self.branches not in ("separate", "batched", "none"):
+            raise ValueError(f"Guidance.branches {self.branches!r}: choose separate, batched or none")
+        if (self.formula is None) != (self.branches == "none"):
+            raise ValueError("Guidance: a formula goes with separate or batched branches, none with branches='none'")
+        if (self.distilled_input is None) != (self.distilled_default is None):
+            raise ValueError("Guidance: distilled_input and distilled_default go together")
+
+    @property
+    def takes_cfg(self) -> bool:
+        return self.branches != "none"
+
+
+NO_GUIDANCE = Guidance("none")
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One transformer of a family's pipeline and the schedule timesteps it serves: `low <= t < high`, `t` the
+    step's fp32 schedule timestep (0..1000; a per-token schedule's step is judged by its largest timestep, as
+    WanPipeline's `expand_timesteps` compares the step's `t` while its first-frame tokens get 0). `name` is the
+    pipeline component (model_index.json key), which is also its sub-folder."""
+
+    name: str
+    low: float = -math.inf
+    high: float = math.inf
+
+
+class ExpertsOf(Protocol):
+    def __call__(self, model_index: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> tuple[Expert, ...]:
+        """A checkpoint's experts, in the pipeline's order, from its model_index.json (the pipeline config; {} for a
+        folder without one) and its scheduler config; ValueError naming what is inconsistent."""
+
+
+def one_expert(model_index: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> tuple[Expert, ...]:
+    """A pipeline with one transformer, `transformer/`, serving every step."""
+    return (Expert("transformer"),)
+
+
+def boundary_experts(model_index: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> tuple[Expert, ...]:
+    """WanPipeline's two stages (`pipelines/wan/pipeline_wan.py`, `__call__`): with a `transformer_2` component and
+    the pipeline config's `boundary_ratio`, the boundary is `boundary_ratio · num_train_timesteps`; `transformer`
+    serves `t >= boundary` (high noise), `transformer_2` the rest. Without both (Wan2.1, TI2V-5B: `transformer_2`
+    null), `transformer` alone."""
+    second = model_index.get("transformer_2")
+    has_second = second is not None and any(v is not None for v in (second if isinstance(second, list) else [second]))
+    ratio = model_index.get("boundary_ratio")
+    if has_second != (ratio is not None):
+        raise ValueError("model_index.json names transformer_2 without a boundary_ratio" if has_second else
+                         "model_index.json has a boundary_ratio but no transformer_2 component")
+    if not has_second:
+        return one_expert(model_index, scheduler_config)
+    if not (isinstance(ratio, (int, float)) and 0 < ratio < 1):
+        raise ValueError(f"model_index.json boundary_ratio must be a number in (0, 1), got {ratio!r}")
+    boundary = ratio * scheduler_config.get("num_train_timesteps", 1000)
+    return Expert("transformer", low=boundary), Expert("transformer_2", high=boundary)
+
+
+def expert_at(experts: Sequence[Expert], timestep: torch.Tensor) -> int:
+    """The index of the expert serving one step, given its fp32 schedule timestep(s). The comparison is a tensor
+    comparison with the python-float bounds, as WanPipeline's `t >= boundary_timestep`."""
+    t = timestep.max() if timestep.ndim else timestep
+    for k, e in enumerate(experts):
+        if bool(t >= e.low) and bool(t < e.high):
+            return k
+    raise ValueError(f"no expert serves timestep {float(t)} (experts: "
+                     + ", ".join(f"{e.name} [{e.low}, {e.high})" for e in experts) + ")")
+
+
+def expert_prefix(names: Sequence[str], k: int) -> str:
+    """The prefix of expert k's tensor names (of the experts `names`, in order) wherever several experts' tensors
+    travel as one state dict (LoRA sync, checksums, the trainer's parameters and checkpoints): none for the first
+    expert, `"<name>."` for the others, so a one-expert family's names are diffusers' own, unchanged."""
+    return "" if k == 0 else f"{names[k]}."
+
+
+def split_by_expert(state: Mapping[str, Any], names: Sequence[str]) -> list[dict[str, Any]]:
+    """A state dict of several experts' tensors (`expert_prefix` names) -> one dict per expert, prefixes removed."""
+    out: list[dict[str, Any]] = [{} for _ in names]
+    prefixes = [(k, expert_prefix(names, k)) for k in range(1, len(names))]
+    for key, value in state.items():
+        k, p = next(((k, p) for k, p in prefixes if key.startswith(p)), (0, ""))
+        out[k][key[len(p):]] = value
+    return out
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str  # the folder under trueflow/models, `--family`
@@ -144,8 +265,9 @@ class ModelFamily:
     # seeded inputs: hidden_states, timestep (fp32 schedule t), grid, cond (a batch's `Cond`)
     train: TrainSide
     presets: Presets
-    recipe: Mapping[str, Any]  # the default sampling recipe: `SamplingParams` fields
+    guidance: Guidance  # classifier-free guidance as the pipeline runs it (and a distilled scale, per-expert scales)
     pipeline_module: str = "diffusers"  # where `pipeline_class` is found (a family outside diffusers names its own)
+    experts: ExpertsOf = one_expert  # the checkpoint's transformers and the timesteps each serves
 
     def pipeline_type(self) -> type:
         """The pipeline class, whose `save_lora_weights` writes the trainer's LoRA files (imported on call)."""

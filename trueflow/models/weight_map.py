@@ -32,24 +32,29 @@ BLOCK = re.compile(r"^(transformer_blocks\.\d+\.)(.+)$")  # a block's prefix, ke
 
 
 def renamed(block: dict[str, tuple[str, int | None]], top: dict[str, tuple[str, int | None]],
-            reverse_block: dict[tuple[str, int | None], str] | None = None) -> Names:
+            reverse_block: dict[tuple[str, int | None], str] | None = None,
+            lists: dict[str, dict[str, tuple[str, int | None]]] | None = None) -> Names:
     """The name map of rename tables: diffusers name -> (engine name, packed slot), inside a block (the
     `transformer_blocks.N.` prefix kept) and at the top level; names not listed are the same on both sides. The
-    inverse is the tables reversed, plus `reverse_block` (engine names no forward entry produces)."""
-    back_block = {v: k for k, v in block.items()} | (reverse_block or {})
+    inverse is the tables reversed, plus `reverse_block` (engine names no forward entry produces). `lists`: the
+    renames inside the blocks of other ModuleLists, by list name (FLUX's `single_transformer_blocks`)."""
+    tables = {"transformer_blocks": block, **(lists or {})}
+    backs = {name: {v: k for k, v in table.items()} for name, table in tables.items()}
+    backs["transformer_blocks"] |= reverse_block or {}
     back_top = {v: k for k, v in top.items()}
+    pattern = re.compile(rf"^(({'|'.join(map(re.escape, tables))})\.\d+\.)(.+)$")
 
     def map_module_name(diffusers_name: str) -> tuple[str, int | None]:
-        m = BLOCK.match(diffusers_name)
+        m = pattern.match(diffusers_name)
         if m:
-            engine, slot = block.get(m.group(2), (m.group(2), None))
+            engine, slot = tables[m.group(2)].get(m.group(3), (m.group(3), None))
             return m.group(1) + engine, slot
         return top.get(diffusers_name, (diffusers_name, None))
 
     def diffusers_module_name(engine_name: str, slot: int | None = None) -> str:
-        m = BLOCK.match(engine_name)
+        m = pattern.match(engine_name)
         if m:
-            return m.group(1) + back_block.get((m.group(2), slot), m.group(2))
+            return m.group(1) + backs[m.group(2)].get((m.group(3), slot), m.group(3))
         return back_top.get((engine_name, slot), engine_name)
 
     return Names(map_module_name, diffusers_module_name)

@@ -24,7 +24,8 @@ from ..dtypes import torch_dtype
 from ..engine.weights import update_lora
 from ..models import get_family
 from ..patches import apply_patch_group
-from .comm import free_port, init_tp
+from ..net import free_port
+from .comm import init_tp
 from .engine import apply_tp, tp_plan, update_lora_tp
 
 

@@ -8,13 +8,12 @@ in the tensors' dtype, the same on every rank and the same as the TP-matched tra
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..net import free_port
+from ..net import LOOPBACK, keep_sockets_on, tcp_store
 
 
 @dataclass
@@ -26,14 +25,13 @@ class TPGroup:
 
 
 def init_tp(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
-    """Join the default process group on loopback: gloo on the CPU, NCCL on CUDA."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, for gloo's and NCCL's bootstrap sockets
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    """Join the default process group on loopback (its store, gloo's and NCCL's sockets: `net`): gloo on the CPU,
+    NCCL on CUDA."""
+    keep_sockets_on(LOOPBACK)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
+    dist.init_process_group(backend, store=tcp_store(LOOPBACK, port, rank, size), rank=rank, world_size=size,
+                            **kwargs)
     return TPGroup(rank, size)
 
 

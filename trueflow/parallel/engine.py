@@ -25,7 +25,8 @@ from ..patches import apply_patch_group
 from ..sync.checksum import tensors_checksum
 from .comm import TPGroup, gather_cat
 from .linear import replace_module, sharded
-from .plan import COLUMN, TPPlan, features_problem, shard_state_dict, shard_tensor
+from ..models.tp_plan import COLUMN, TPPlan
+from .plan import features_problem, shard_state_dict, shard_tensor
 
 
 def tp_plan(family: ModelFamily, tp: int) -> TPPlan:
@@ -59,8 +60,9 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
             problems.append(problem)
         swaps.append((name, mod, kind))
     problems += [f"the {family.name} TP plan's pattern {p!r} names no linear layer" for p in plan.unmatched(seen)]
+    modules = [name_of(name) for name, _ in model.named_modules()]
     problems += [f"the {family.name} TP plan's gathered pattern {p!r} names no module"
-                 for p in plan.unmatched([name_of(name) for name, _ in model.named_modules()], plan.gathered)]
+                 for p in plan.unmatched(modules, plan.gathered + plan.gathered_inputs)]
     if problems:
         raise ValueError("; ".join(problems))
     for name, mod, kind in swaps:
@@ -68,17 +70,20 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
     for name, mod in ((name_of(n), m) for n, m in model.named_modules() if n):
         if plan.gathers(name):
             gather_heads(mod, tp)
+        elif plan.gathers_inputs(name):
+            gather_heads(mod, tp, keep_output=True)
         # An attention that counts its heads (to unflatten v, or for a per-head mask) holds the rank's H/N.
         if isinstance(getattr(mod, "heads", None), int) and plan.kind(f"{name}.to_q") == COLUMN:
             mod.heads //= tp.size
     return [name for name, _, _ in swaps]
 
 
-def gather_heads(module: nn.Module, tp: TPGroup) -> None:
+def gather_heads(module: nn.Module, tp: TPGroup, keep_output: bool = False) -> None:
     """Run `module` on every rank's heads: its tensor inputs all-gathered along dim 2 in rank order (the heads of
     [B, S, H·D] or [B, S, H, ...]; other arguments, e.g. RoPE tables for all heads, pass as they are), the module
-    whole, then its output's dim 2 cut to this rank's heads, contiguous as a rank's own tensor is. The module then
-    computes on exactly the values, shapes and layouts the train side's unsharded module does."""
+    whole, then its output's dim 2 cut to this rank's heads, contiguous as a rank's own tensor is (`keep_output`:
+    the output left whole, a replicated tensor). The module then computes on exactly the values, shapes and
+    layouts the train side's unsharded module does."""
     def gather(x):
         return gather_cat(x, tp, dim=2) if isinstance(x, torch.Tensor) else x
 
@@ -89,7 +94,8 @@ def gather_heads(module: nn.Module, tp: TPGroup) -> None:
         return out.chunk(tp.size, dim=2)[tp.rank].contiguous()
 
     module.register_forward_pre_hook(inputs, with_kwargs=True)
-    module.register_forward_hook(output)
+    if not keep_output:
+        module.register_forward_hook(output)
 
 
 def build_tp_engine_transformer(config: dict, rank_state_dict: dict[str, torch.Tensor], tp: TPGroup, device="cpu",

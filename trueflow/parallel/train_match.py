@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import rank_order_sum
-from .plan import COLUMN, TPPlan, features_problem
+from ..models.tp_plan import COLUMN, TPPlan
+from .plan import features_problem
 
 
 def _parts(mod: nn.Module) -> tuple[nn.Linear, list[tuple[nn.Module, torch.Tensor, torch.Tensor, float]]]:

@@ -1,5 +1,7 @@
 """The parity probe: the train-side forward (diffusers + PEFT) and the engine forward on the same seeded
-inputs, compared bitwise, with a per-layer report naming the first module that differs."""
+inputs, compared bitwise, with a per-layer report naming the first module that differs. It compares one expert of
+the checkpoint (`expert`, default the first), and with `cfg_scale > 1` the guided output of a CFG step as the family
+guides it (`engine.guidance.guide`: separate or batched branches, the family's formula) on both sides."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import torch
 
 from .. import loading
 from ..dtypes import torch_dtype
+from ..engine.guidance import check_guidance, guide
+from ..files import publish
 from ..engine.weights import build_engine_transformer, update_lora
-from ..models import family_for_checkpoint, family_for_config, get_family
+from ..models import checkpoint_experts, family_for_checkpoint, family_for_config, get_family
 from ..models.spec import ModelFamily
 from ..patches import get_group
 from ..train import model as train_model
@@ -38,6 +42,8 @@ class ProbeSpec:
     family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
     batch_invariant: bool = False  # the train side on the mode's backend (its engine: `group:trueflow_batch_invariant`)
     train_micro_batch: int | None = None  # the train side in micro-batches of this many samples (None: one batch)
+    expert: str | None = None  # the checkpoint's transformer compared (a pipeline component; default: the first)
+    cfg_scale: float = 1.0  # > 1: compare a CFG step's guided output (negative branch: inputs of seed + 1)
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
@@ -45,6 +51,7 @@ class ProbeSpec:
 
 @dataclass
 class ProbeResult:
+    expert: str
     patch_group: str
     disabled_patches: list[str]
     patches_applied: list[str]
@@ -79,11 +86,17 @@ class ParityProbe:
         if s.resolution % granule:
             raise ValueError(f"--resolution {s.resolution} must be a multiple of {granule} pixels")
         dtype, device = s.torch_dtype(), torch.device(s.device)
+        experts = [e.name for e in checkpoint_experts(s.checkpoint, self.family)] if s.checkpoint else ["transformer"]
+        self.expert = s.expert or experts[0]
+        if self.expert not in experts:
+            raise ValueError(f"--expert {self.expert}: not an expert of "
+                             f"{s.checkpoint or f'--random-size {s.random_size}'} (its experts: {', '.join(experts)})")
+        check_guidance(self.family.name, self.family.guidance, s.cfg_scale, None, None)
         # The train side runs on its compute copy: fp32 values cast once to the compute dtype (docs/precision.md).
         if s.checkpoint is not None:
-            self.config = loading.read_transformer_config(s.checkpoint)
-            self.state_dict = loading.read_transformer_state_dict(s.checkpoint)
-            self.train = self.family.train.model_class().from_pretrained(s.checkpoint, subfolder="transformer",
+            self.config = loading.read_transformer_config(s.checkpoint, self.expert)
+            self.state_dict = loading.read_transformer_state_dict(s.checkpoint, subfolder=self.expert)
+            self.train = self.family.train.model_class().from_pretrained(s.checkpoint, subfolder=self.expert,
                                                                          dtype=dtype)
         else:
             self.config = self.family.presets.transformer_config(s.random_size)
@@ -97,6 +110,13 @@ class ParityProbe:
             train_model.add_lora(self.train, spec_l, b_init_std=s.lora_b_std, seed=s.seed + 1)
             self.lora = (train_model.lora_state_dict(self.train), spec_l.scale)
         self.inputs = self.family.probe_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed, device)
+        # With CFG, the negative branch's inputs: another seed's conditioning, the positive's distilled scale (the
+        # engine passes both branches one scale).
+        distilled = self.family.guidance.distilled_input
+        self.negative_cond = None if s.cfg_scale <= 1 else {
+            **self.family.probe_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed + 1,
+                                       device)["cond"],
+            **({distilled: self.inputs["cond"][distilled]} if distilled else {})}
         if s.train_micro_batch is not None and s.train_micro_batch < 1:
             raise ValueError(f"--train-micro-batch must be >= 1, got {s.train_micro_batch}")
         if s.batch_invariant:
@@ -113,15 +133,24 @@ class ParityProbe:
         self.inputs = inputs
         self._train_forward()
 
+    def _guided(self, forward, timestep: torch.Tensor) -> torch.Tensor:
+        """`forward(hidden_states, timestep, cond)` on the probe's inputs; with CFG, the family's guided step."""
+        i = self.inputs
+        return guide(self.family.guidance, forward, i["hidden_states"], timestep, i["cond"], self.negative_cond,
+                     self.spec.cfg_scale, self.family.pipeline.text_streams).output
+
     def _train_forward(self) -> None:
         names = {n: [(n, None)] for n in _report_names(self.family, self.config, self.spec.layer_report)}
-        train = self.family.train
-        i, size = self.inputs, self.spec.train_micro_batch or self.inputs["hidden_states"].shape[0]
-        timestep = train.timestep(i["timestep"], self.spec.torch_dtype())
+        train, grid = self.family.train, self.inputs["grid"]
+
+        def forward(x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+            # in micro-batches of `train_micro_batch` rows (the capture joins their layers' outputs)
+            return torch.cat([train_model.train_forward(self.family, self.train, x[r], t[r], grid, _rows(cond, r),
+                                                        backend=self.train_backend)
+                              for r in _chunks(x.shape[0], self.spec.train_micro_batch or x.shape[0])])
+
         with torch.no_grad(), capture(self.train, names) as seen:
-            self.train_output = torch.cat([train_model.train_forward(
-                self.family, self.train, i["hidden_states"][r], timestep[r], i["grid"], _rows(i["cond"], r),
-                backend=self.train_backend) for r in _chunks(i["hidden_states"].shape[0], size)])
+            self.train_output = self._guided(forward, train.timestep(self.inputs["timestep"], self.spec.torch_dtype()))
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):
@@ -155,13 +184,15 @@ class ParityProbe:
 
     def compare_engine(self, engine, patch_group: str, disabled=()) -> tuple[ProbeResult, torch.Tensor]:
         with torch.no_grad(), capture(engine, engine_targets(engine, self.family, self.spec.layer_report)) as seen:
-            i = self.inputs
-            out = engine(hidden_states=i["hidden_states"], timestep=i["timestep"], grid=i["grid"], **i["cond"])
+            grid = self.inputs["grid"]
+            out = self._guided(lambda x, t, cond: engine(hidden_states=x, timestep=t, grid=grid, **cond),
+                               self.inputs["timestep"])
         rows = compare(self.train_layers, seen)
         first = next((r for r in rows if r.max_abs_diff > 0), None)
         d = (out.float() - self.train_output.float()).abs()
         return ProbeResult(
-            patch_group=patch_group, disabled_patches=list(disabled), patches_applied=list(engine.patches_applied),
+            expert=self.expert, patch_group=patch_group, disabled_patches=list(disabled),
+            patches_applied=list(engine.patches_applied),
             model_output_max_abs_diff=d.max().item(), model_output_mean_abs_diff=d.mean().item(),
             bitwise_equal=torch.equal(out, self.train_output),
             first_differing_module=first.module if first else None,
@@ -184,9 +215,11 @@ class ParityProbe:
         the train side with diffusers + PEFT alone (docs/parity-probe.md)."""
         from safetensors.torch import save_file
 
+        s = self.spec
+        if self.negative_cond is not None:
+            raise ValueError("--save writes the inputs of one forward: drop --cfg-scale")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        s = self.spec
         # The conditioning under its model-input names, beside hidden_states and timestep (no key clashes: they
         # are the transformer's keyword arguments).
         tensors = {k: v.contiguous().cpu() for k, v in {**self.inputs, **self.inputs["cond"]}.items()
@@ -201,7 +234,7 @@ class ParityProbe:
         manifest = {
             "format": "trueflow-parity-probe/2",
             "checkpoint": str(Path(s.checkpoint).resolve()) if s.checkpoint else None,
-            "family": self.family.name, "random_size": s.random_size, "seed": s.seed,
+            "family": self.family.name, "expert": self.expert, "random_size": s.random_size, "seed": s.seed,
             "dtype": s.dtype, "grid": list(self.inputs["grid"]),
             "train_attention_backend": self.train_backend,
             "lora": None if self.lora is None else {
@@ -211,6 +244,7 @@ class ParityProbe:
             "result": result.to_json(with_layers=False),
         }
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        publish(*(out / f for f in files))  # safetensors writes 0600
         return out
 
 

@@ -15,7 +15,8 @@ def format_result(spec: ProbeSpec, r: ProbeResult, max_layers: int = 12) -> str:
         f"parity probe: {src}  batch {spec.batch}"
         + (f" (train micro-batches of {spec.train_micro_batch})" if spec.train_micro_batch else "")
         + f"  text {spec.text_len}  {spec.resolution}px  {spec.dtype}  "
-        f"LoRA rank {spec.lora_rank or '-'}  device {spec.device}",
+        f"LoRA rank {spec.lora_rank or '-'}  device {spec.device}" + (f"  expert {r.expert}" if spec.expert else "")
+        + (f"  guided output (CFG {spec.cfg_scale})" if spec.cfg_scale > 1 else ""),
         f"  patch group {r.patch_group}" + (f" (disabled: {', '.join(r.disabled_patches)})" if r.disabled_patches else ""),
         f"  attention: train {r.train_attention_backend}, engine {r.engine_attention_backend}",
         f"  model_output_max_abs_diff  {_fmt(r.model_output_max_abs_diff)}",

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from .. import loading
 from ..models import family_for_checkpoint, get_family, family_for_config
 from ..models.spec import ModelFamily
-from ..parallel.comm import free_port, init_tp
+from ..net import free_port
+from ..parallel.comm import init_tp
 from ..parallel.engine import (build_tp_engine_transformer, lora_shard_checksums, scatter_shards, tp_gate, tp_plan,
                                update_lora_tp)
 from ..parallel.train_match import match_tp

@@ -4,13 +4,19 @@ LoRA updates cross as weight buckets (`buckets.py`): on CPU each bucket's buffer
 torch's multiprocessing pickler sends its handle; on CUDA it sends a CUDA IPC handle. Either way no tensor data is
 copied through a pipe. The engine copies the update into place, and answers with the checksum of what it now holds
 (read back from its layers), so the trainer knows the new weights are in place. Rollouts come back on the CPU.
+
+A process that dies (a rank's OOM, a kill) is found within REPLY_POLL_S and named in one line (`EngineProcessDied`);
+under TP it is the cause whatever its peers then report, and they are killed at shutdown (they would wait in
+their next collective for ever). An engine's own failure is one line too; its traceback goes to the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import signal
+import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -19,7 +25,7 @@ import torch.multiprocessing as mp
 
 from .. import loading
 from ..dtypes import torch_dtype
-from ..engine.interface import RolloutCancelled, StopCheck
+from ..engine.interface import EngineDied, RolloutCancelled, StopCheck
 from ..models import family_for_checkpoint
 from ..rewards.base import RewardError
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, BucketPacker
@@ -27,6 +33,9 @@ from ..sync.checksum import tensors_checksum
 from .spec import EngineSpec, Placement, RewardSpec
 
 PARENT_POLL_S = 1.0  # how often an idle engine process checks that its client is still alive
+REPLY_POLL_S = 0.2  # how often a waiting client checks that every engine process is alive
+PEER_DEATH_S = 2.0  # a TP rank's failure waits this long for a peer's death, its likely cause, to show
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..engine.interface import RolloutRequest
@@ -34,7 +43,15 @@ if TYPE_CHECKING:
 
 
 class EngineProcessError(RuntimeError):
-    pass
+    """The engine process failed; the message is one line, `traceback` the process's own (logged, not shown)."""
+
+    def __init__(self, message: str, traceback: str | None = None):
+        super().__init__(message)
+        self.traceback = traceback
+
+
+class EngineProcessDied(EngineProcessError, EngineDied):
+    """An engine process (or a tensor-parallel rank's) died; the message names it and its exit code."""
 
 
 class EngineRequestRefused(EngineProcessError, ValueError):
@@ -174,7 +191,7 @@ class EngineClient:
         self.packer = BucketPacker(bucket_bytes)  # the LoRA's buffers, refilled every sync
         self.family = family_for_checkpoint(spec.checkpoint, spec.family)
         if tp > 1:
-            from ..parallel.comm import free_port
+            from ..net import free_port
             from ..parallel.engine import tp_gate, tp_plan
 
             tp_plan(self.family, tp).check(loading.read_transformer_config(spec.checkpoint), tp)  # before spawning
@@ -200,19 +217,25 @@ class EngineClient:
         return cls(spec, placement.tp, placement.tp_matched, reward,
                    placement.bucket_bytes or DEFAULT_BUCKET_BYTES)
 
+    def _dead(self) -> EngineProcessDied | None:
+        """The first engine process found dead, as the error naming it."""
+        for i, p in enumerate(self.processes):
+            if not p.is_alive():
+                what = "the engine process" if self.tp == 1 else f"engine rank {i} of {self.tp}"
+                return EngineProcessDied(f"{what} died (exit code {p.exitcode})")
+        return None
+
     def _reply(self, r: int, should_stop: StopCheck | None = None):
         while True:
             try:
-                status, value = self.replies[r].get(timeout=0.2)
+                status, value = self.replies[r].get(timeout=REPLY_POLL_S)
                 break
             except queue.Empty:
                 if should_stop is not None and should_stop():
                     self.stop.set()
-                # Any rank that died (its peers would wait in their next collective for ever)
-                for i, p in enumerate(self.processes):
-                    if not p.is_alive():
-                        what = "the engine process" if self.tp == 1 else f"engine rank {i} of {self.tp}"
-                        raise EngineProcessError(f"{what} died (exit code {p.exitcode})")
+                dead = self._dead()  # any rank that died (its peers would wait in their next collective for ever)
+                if dead is not None:
+                    raise dead
         if status == "refused":
             raise EngineRequestRefused(value)
         if status == "reward_failed":
@@ -220,20 +243,31 @@ class EngineClient:
         if status == "cancelled":
             raise RolloutCancelled(value)
         if status != "ok":
-            raise EngineProcessError(f"the engine process failed:\n{value}")
+            where = "the engine process" if self.tp == 1 else f"engine rank {r} of {self.tp}"
+            last = value.strip().splitlines()[-1] if value.strip() else "no traceback"
+            raise EngineProcessError(f"{where} failed ({last[:300]}; the traceback is in the log)", value)
         return value
 
     def _replies(self, should_stop: StopCheck | None = None) -> list:
-        """Every rank's answer, rank 0's first; the first failure raises once all have answered."""
+        """Every rank's answer, rank 0's first; the first failure raises once all have answered. A rank that died is
+        the cause of its peers' failures (a collective that lost a member): under TP a failure first waits up to
+        PEER_DEATH_S for a death to show, and a death is raised before anything else."""
         values, error = [], None
         for r in range(self.tp):
             try:
                 values.append(self._reply(r, should_stop))
             except (EngineProcessError, RewardError, RolloutCancelled) as e:
                 error = error or e
-        if error is not None:
-            raise error
-        return values
+        if isinstance(error, EngineProcessError) and not isinstance(error, EngineProcessDied) and self.tp > 1:
+            deadline = time.monotonic() + PEER_DEATH_S
+            while self._dead() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if error is None:
+            return values
+        dead = self._dead()
+        if isinstance(error, EngineProcessError) and error.traceback:  # a peer's death's consequence, or the cause
+            log.log(logging.DEBUG if dead else logging.ERROR, "%s\n%s", error, error.traceback)
+        raise dead or error
 
     def _call(self, op: str, *payload, others: tuple | None = None,
               should_stop: StopCheck | None = None) -> list:
@@ -282,15 +316,24 @@ class EngineClient:
         return sums[0] if self.tp == 1 or self.expected is None else self._confirm(sums)
 
     def health(self) -> dict:
-        return {**self._call("health")[0], "process": self.processes[0].pid, "tp": self.tp}
+        return {**self._call("health")[0], "process": self.processes[0].pid,
+                "processes": [p.pid for p in self.processes], "tp": self.tp}
 
     def shutdown(self) -> None:
-        if all(p.is_alive() for p in self.processes):
-            self._call("close")
+        """Close every process; where one has died, kill the others at once (a peer of a dead rank may wait in a
+        collective, and a lone engine whose client failed has nothing left to finish)."""
+        alive = all(p.is_alive() for p in self.processes)
+        if alive:
+            try:
+                self._call("close")
+            except EngineProcessError:  # one died meanwhile
+                alive = False
         for p in self.processes:
-            p.join(timeout=30)
+            if alive:
+                p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+            p.join()
         # The LoRA's buffers were shared by IPC: freed now, once their receivers are gone and while CUDA is still up,
         # not in the interpreter's teardown.
         self.packer = BucketPacker(self.bucket_bytes)

@@ -5,8 +5,8 @@ A trainer rank (`trueflow.ray.actors.TrainerActor`, run by the driver `trueflow.
 factory for its engine; `ray_engine` finds this rank's `EngineActor` of the same placement group by name:
 
 - colocated (`--world-size N`): engine `engine-r` shares trainer rank r's bundle (its device); LoRA updates cross
-  as weight buckets of IPC handles (`engine.wire.dump_handles`: shared memory on CPU, CUDA IPC on GPU), and the
-  engine answers with the checksum of what it installed.
+  as weight buckets of IPC handles (`engine.wire.dump_handles`: the trainer's shared-memory segments on CPU,
+  `sync.shm`; CUDA IPC on GPU), and the engine answers with the checksum of what it installed.
 - disaggregated (`--rollout-gpus R --train-gpus T`): R engines on bundles of their own. Trainer rank r rolls out on
   engine r·R//T (an engine serves T/R ranks' shares, one request after another). Trainer rank 0 broadcasts each
   update in buckets over a process group of its own with the R engines (gloo on CPU, NCCL on GPU; not the
@@ -33,9 +33,10 @@ import ray
 import torch
 
 from ..engine.interface import EngineWrapper, RolloutEngine, RolloutRequest, StopCheck
-from ..net import free_port
+from ..net import free_port, tcp_store
 from ..sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketPacker
 from ..sync.checksum import tensors_checksum
+from ..sync.shm import SharedSegments
 from .spec import EngineSpec, Placement, RewardSpec
 
 if TYPE_CHECKING:
@@ -81,8 +82,7 @@ def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_
     host) and the engines, beside (not inside) the trainers' default group."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, wait_for_workers=False,
-                          timeout=timedelta(minutes=5))
+    store = tcp_store(host, port, rank, size)  # rank 0's bound to `host` alone
     prefixed = dist.PrefixStore("trueflow-weights/", store)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
@@ -218,7 +218,8 @@ class RayEngine:
 
     def __init__(self, actor, name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.actor, self.name, self.bucket_bytes = actor, name, bucket_bytes
-        self.packer = BucketPacker(bucket_bytes)  # the LoRA's buffers, refilled every sync
+        self.segments = SharedSegments()  # where the LoRA's CPU buffers live (unlinked at shutdown, or by the driver)
+        self.packer = BucketPacker(bucket_bytes, self.segments.allocate)  # the LoRA's buffers, refilled every sync
 
     def _get(self, ref):
         return answer(ref, self.name)
@@ -239,7 +240,7 @@ class RayEngine:
         from ..engine.wire import dump_handles
 
         buckets = self.packer.pack(state)
-        payload = dump_handles(buckets, lora_scale=lora_scale, merge_mode=merge_mode)
+        payload = dump_handles(buckets, self.segments, lora_scale=lora_scale, merge_mode=merge_mode)
         return self._get(self.actor.update_ipc.remote(payload))  # `buckets` lives until the engine answered
 
     def checksum(self) -> str:
@@ -249,7 +250,9 @@ class RayEngine:
         return self._get(self.actor.health.remote())
 
     def shutdown(self) -> None:
-        """The driver ends the actors with the run; nothing to release here."""
+        """The driver ends the actors with the run; the update buffers are unlinked here."""
+        self.packer = BucketPacker(self.bucket_bytes, self.segments.allocate)
+        self.segments.close()
 
 
 class BroadcastEngine(RayEngine):

@@ -14,6 +14,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +25,14 @@ import torch
 
 from .aesthetic import Aesthetic
 from .clip_score import ClipScore
+from .errors import RewardError, RewardTimeout
 from .hps import HPSv2
 from .imagereward import ImageReward
 from .jpeg import JpegSize
 from .ocr import OcrReward
 from .pickscore import PickScore
 from .redness import Redness
+from .vlm_judge import VlmJudge
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +46,6 @@ class Reward(Protocol):
     name: str
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
-
-
-def _vlm_judge(url: str | None, model_path: str | None = None) -> Reward:
-    from .vlm_judge import VlmJudge  # imported here: it uses this module's errors
-
-    return VlmJudge(url, model_path)
 
 
 # A factory is called with whichever of `model_path`, `device` and `url` it names, and returns a Reward.
@@ -65,25 +62,9 @@ REWARDS: dict[str, RewardFactory] = {
     "aesthetic": Aesthetic,
     "hpsv2": HPSv2,
     "imagereward": ImageReward,
-    "vlm_judge": _vlm_judge,
+    "vlm_judge": VlmJudge,
 }
 _FACTORY_ARGS = ("model_path", "device", "url")
-
-
-class RewardError(RuntimeError):
-    """A reward raised, timed out, or returned a wrong shape or a non-finite score, on these prompts."""
-
-    def __init__(self, reward: str, prompts: Sequence[str], reason: str):
-        self.reward, self.reason = reward, reason
-        self.prompts = list(dict.fromkeys(prompts))  # distinct, in order: a group repeats its prompt
-        shown = ", ".join(repr(p) for p in self.prompts[:3])
-        if len(self.prompts) > 3:
-            shown += f" and {len(self.prompts) - 3} more"
-        super().__init__(f"reward {reward!r} failed on prompt {shown}: {reason}")
-
-
-class RewardTimeout(RewardError):
-    """No answer in time. A timeout is a failure of the whole call: `score` does not retry it prompt by prompt."""
 
 
 # -- building ------------------------------------------------------------------------------------------------
@@ -169,6 +150,8 @@ def _split_term(term: str) -> tuple[str, float]:
         return target, 1.0
     if not _is_number(weight):
         raise ValueError(f"reward term {term!r}: weight {weight!r} is not a number")
+    if not math.isfinite(float(weight)):  # a NaN or inf weight would make every reward of the run NaN
+        raise ValueError(f"reward term {term!r}: weight {weight!r} must be a finite number")
     return target, float(weight)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..http import MSGPACK
-from .base import RewardError, RewardTimeout
+from .errors import RewardError, RewardTimeout
 
 
 def pack_request(images: torch.Tensor, prompts: Sequence[str]) -> bytes:

@@ -20,7 +20,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBytes, StrictInt, StrictStr, ValidationError, model_validator
 
 from .base import Reward, as_scores, build_reward
-from ..http import MSGPACK
+from ..http import MSGPACK, server_config
 from .remote import pack_scores
 
 _Count = Annotated[StrictInt, Field(ge=0)]
@@ -175,4 +175,4 @@ def serve(spec: str, host: str = "127.0.0.1", port: int = 8000, model_path: str 
     import uvicorn
 
     app = create_app(build_reward(spec, model_path, device, url=url), max_batch, max_wait_ms)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.Server(server_config(app, host, port)).run()  # with header and body read deadlines (trueflow.http)

@@ -22,9 +22,24 @@ tensor-parallel engine over N processes (docs/tensor-parallel.md), which the ser
 client side is `trueflow.placement.http`, which imports none of this.
 """
 
-from .app import create_app
-from .errors import RequestError
-from .lifecycle import serve
-from .limits import Limits
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .errors import RequestError
+    from .lifecycle import serve
+    from .limits import Limits
 
 __all__ = ["Limits", "RequestError", "create_app", "serve"]
+# Imported on first use (PEP 562): `trueflow serve` checks its limits (`server.limits`) before FastAPI and the
+# engine's modules load.
+_HOME = {"Limits": "limits", "RequestError": "errors", "create_app": "app", "serve": "lifecycle"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)

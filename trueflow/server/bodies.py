@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 from typing import Annotated, Any, TypeVar
@@ -33,7 +34,9 @@ class Sampling(Strict):
     sampler: str = _D.sampler
     noise_level: float = _D.noise_level
     cfg_scale: float = _D.cfg_scale
-    negative_prompt: str = _D.negative_prompt
+    cfg_scale_2: float | None = _D.cfg_scale_2
+    distilled_guidance_scale: float | None = _D.distilled_guidance_scale
+    negative_prompt: str | None = _D.negative_prompt  # None: the family's
     num_sde_steps: int | None = _D.num_sde_steps
     sde_window: tuple[StrictInt, StrictInt] | None = Field(_D.sde_window, strict=False)  # msgpack sends a list
     height: int = _D.height
@@ -47,7 +50,17 @@ class Sampling(Strict):
         try:
             return SamplingParams(**{f: getattr(self, f) for f in Sampling.model_fields})
         except ValueError as e:
-            raise RequestError(str(e)) from e
+            raise RequestError(str(e), param=field_of(str(e))) from e
+
+
+def field_of(message: str) -> str | None:
+    """The sampling field a refusal is about: `SamplingParams` and the family's checks start their messages with it
+    (`steps must be >= 1`, `height must be a positive multiple of 16`), or name it (`needs noise_level > 0`)."""
+    words = [w for w in re.findall(r"[a-z_]+", message) if w in Sampling.model_fields]
+    if message.startswith(tuple(words)):
+        return words[0]
+    # "the sde sampler needs noise_level > 0": the value at fault, not the sampler that needs it
+    return next((w for w in words if w != "sampler"), words[0] if words else None)
 
 
 class RolloutBody(Sampling):
@@ -68,19 +81,31 @@ class RolloutBody(Sampling):
             raise RequestError(str(e), param="first_prompt") from e
 
 
+# The fields of OpenAI's images API (openai-python's `types/image_generate_params.py`, ImageGenerateParamsBase)
+# that this server takes and ignores: they ask a hosted model for things an engine of one checkpoint has no setting
+# for (quality tiers, styles, output encodings, moderation, a user id). A request naming one is answered as if it
+# had not, and the answer's `x-trueflow-ignored-fields` header lists them. Any other unknown field is refused: it is
+# a typo of a field this server honours, not a standard one.
+OPENAI_IGNORED = ("background", "complexity", "frame_count", "frame_duration_ms", "moderation", "output_compression",
+                  "output_format", "partial_images", "quality", "safety_identifier", "style", "svg", "user")
+IGNORED_HEADER = "x-trueflow-ignored-fields"
+
+
 class ImagesRequest(Strict):
-    """`POST /v1/images/generations`: OpenAI's fields this server honours, and a few sampling extensions."""
+    """`POST /v1/images/generations`: OpenAI's fields this server honours, and a few sampling extensions
+    (`OPENAI_IGNORED`: the standard fields it takes and ignores)."""
 
     prompt: str
     n: int = 1
-    size: str = f"{_D.width}x{_D.height}"
+    size: str = f"{_D.width}x{_D.height}"  # or "auto": this default
+    stream: bool = False  # true is refused: the answer is one JSON object
     response_format: str = "b64_json"
-    model: str | None = None  # OpenAI clients send one; there is one model here
-    seed: int | None = None
+    model: str | None = None  # OpenAI clients send one; there is one model here (`/v1/models`)
+    seed: int | None = None  # None: a new random seed, returned in the answer
     steps: int = _D.steps
     cfg_scale: float = _D.cfg_scale
     sampler: str = _D.sampler
-    negative_prompt: str = _D.negative_prompt
+    negative_prompt: str | None = _D.negative_prompt  # None: the family's
 
 
 class LoraUpdate(Strict):

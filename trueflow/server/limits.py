@@ -15,7 +15,7 @@ from .errors import RequestError
 TOKENIZER_MAX_LENGTH = default_family().pipeline.max_text_tokens
 PROMPT_CHARS_PER_TOKEN = 32  # a prompt longer than this many characters per allowed token is refused untokenized
 WEIGHT_JSON_BYTES = 64 << 10  # a path update's JSON body
-IPC_PAYLOAD_BYTES = 64 << 20  # a pickled bucket list: handles and manifests, never tensor data
+IPC_PAYLOAD_BYTES = 64 << 20  # an IPC payload: handles and manifests, never tensor data
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Limits:
             if value > bound:
                 raise RequestError(f"the request asks for {value} {what}; this server takes at most {bound} "
                                    f"({flag})", param=param, code="limit_exceeded")
-        for name, text in [*(("prompts", p) for p in prompts), ("negative_prompt", params.negative_prompt)]:
+        negative = [] if params.negative_prompt is None else [("negative_prompt", params.negative_prompt)]
+        for name, text in [*(("prompts", p) for p in prompts), *negative]:
             if len(text) > self.max_prompt_chars:
                 raise RequestError(f"a prompt of {len(text)} characters is too long: this server takes prompts of "
                                    f"at most {self.max_prompt_tokens} tokens (--max-prompt-tokens) and refuses any "
@@ -84,9 +85,12 @@ class TokenCounter:
         self._tokenizer = AutoTokenizer.from_pretrained(Path(checkpoint) / "tokenizer")
         self._lock = threading.Lock()
 
-    def check(self, limits: Limits, prompts: list[str], negative_prompt: str) -> None:
+    def check(self, limits: Limits, prompts: list[str], negative_prompt: str | None) -> None:
+        texts = prompts if negative_prompt is None else [*prompts, negative_prompt]  # None: the family's default
+        if not texts:  # no prompt at all: the engine refuses that itself
+            return
         with self._lock:
-            counts = [len(ids) for ids in self._tokenizer([*prompts, negative_prompt],
+            counts = [len(ids) for ids in self._tokenizer(texts,
                                                            add_special_tokens=False)["input_ids"]]
         for i, n in enumerate(counts):
             if n > limits.max_prompt_tokens:

@@ -1,18 +1,22 @@
 """Weight updates: by a safetensors path under the server's `--weights-root`, or by IPC handles from a loopback
-client, validated before anything is applied."""
+client, validated before anything is applied; and the token every `/weights/*` route asks for where the server
+listens beyond loopback (docs/server.md, "Trust")."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 import logging
-import pickletools
+import os
+import secrets
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from safetensors.torch import load_file
 
@@ -25,11 +29,46 @@ from .limits import IPC_PAYLOAD_BYTES, WEIGHT_JSON_BYTES
 
 _M = TypeVar("_M", bound=BaseModel)
 log = logging.getLogger(__name__)
+TOKEN_ENV = "TRUEFLOW_ENGINE_TOKEN"  # the weights token: the server's, if set; what its clients send
+
+
 def is_loopback(host: str | None) -> bool:
+    """An address of this machine only: 127.0.0.0/8, ::1, or an IPv4-mapped loopback (::ffff:127.0.0.1), which
+    Python 3.11's `is_loopback` does not count."""
     try:
-        return ipaddress.ip_address(host or "").is_loopback
+        ip = ipaddress.ip_address(host or "")
     except ValueError:
         return False
+    return ip.is_loopback or isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None \
+        and ip.ipv4_mapped.is_loopback
+
+
+def weights_token(host: str) -> str | None:
+    """The token a server on `host` asks of every `/weights/*` request: `TRUEFLOW_ENGINE_TOKEN` if set; else, where
+    it listens beyond loopback, a new random one (the caller prints it); on loopback alone, none."""
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and not is_loopback(host) and host != "localhost":
+        token = secrets.token_urlsafe(32)
+    return token
+
+
+class TokenGate:
+    """ASGI middleware: a `/weights/*` request without `Authorization: Bearer <token>` is answered 401 before the
+    route reads a byte of its body."""
+
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/weights/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.token):
+                response = JSONResponse({"error": "the /weights/* routes of this server take its token (printed "
+                                                  "when it started): send it as `Authorization: Bearer TOKEN`; "
+                                                  f"trueflow's clients read it from {TOKEN_ENV}"}, 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"  # the sharded-checkpoint index `loading` reads
@@ -90,16 +129,6 @@ def check_weights(state: dict[str, torch.Tensor]) -> None:
         raise RequestError("weights refused, nothing applied: " + "; ".join(problems))
 
 
-def names_cuda_tensors(payload: bytes) -> bool:
-    """Whether an IPC payload rebuilds CUDA tensors: its pickle names torch's CUDA rebuild function (read from the
-    opcodes; nothing is unpickled, so no handle is opened). A malformed payload says no: `load_handles` refuses it."""
-    try:
-        return any(isinstance(arg, str) and arg.rsplit(" ", 1)[-1] == "rebuild_cuda_tensor"
-                   for _op, arg, _pos in pickletools.genops(payload))
-    except Exception:  # noqa: BLE001 - not a pickle
-        return False
-
-
 async def weights_request(request: Request, model: type[_M], by_path: type[_M], folders: bool,
                            root: Path | None, tp: int = 1) -> tuple[dict[str, torch.Tensor], _M]:
     """(tensors, other fields) of a weight update, from a safetensors path (JSON) or IPC handles, validated. A
@@ -112,19 +141,24 @@ async def weights_request(request: Request, model: type[_M], by_path: type[_M], 
         state = await asyncio.to_thread(read_weights, root, fields_.path, folders)
     elif kind == wire.IPC_CONTENT_TYPE:
         if not is_loopback(request.client.host if request.client else None):
-            raise RequestError("IPC handles are taken from loopback clients only: the payload is a pickle, and "
-                               "handles only open on the sender's machine", 403)
+            raise RequestError("IPC handles are taken from loopback clients only: they name memory of the sender's "
+                               "machine", 403)
         payload = await read_body(request, IPC_PAYLOAD_BYTES)
-        if tp > 1 and names_cuda_tensors(payload):
+        try:
+            handles = wire.parse_handles(payload)  # checked whole; nothing opened yet
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if tp > 1 and handles.cuda:
             raise RequestError(f"this server's engine is tensor-parallel (--tp {tp}, a process per rank), and it takes "
                                f"IPC weight updates from CPU tensors (shared memory) only: send the tensors moved to "
                                f"the CPU (push_lora(url, {{k: v.cpu() for k, v in state.items()}}, scale)), or a "
                                f"path under its --weights-root")
+        fields_ = validate(model, handles.fields)
         try:
-            buckets, rest = await asyncio.to_thread(wire.load_handles, payload)
+            buckets = await asyncio.to_thread(wire.open_handles, handles)
         except ValueError as e:
             raise RequestError(str(e)) from e
-        fields_, state = validate(model, rest), unpack(buckets)
+        state = unpack(buckets)
     else:
         raise RequestError(f"content-type must be application/json (a safetensors path) or {wire.IPC_CONTENT_TYPE} "
                            f"(IPC handles), got {kind or 'none'!r}", 415)

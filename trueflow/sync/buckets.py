@@ -8,12 +8,14 @@ on CPU, CUDA IPC on GPU) whatever the number of tensors in it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 ALIGN = 16  # each tensor starts 16-byte aligned, so every view is aligned for any dtype's kernels
+Allocate = Callable[[int, torch.device], torch.Tensor]  # (bytes, device) -> a uint8 buffer, e.g. in shared memory
 
 
 @dataclass
@@ -36,8 +38,10 @@ def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
-def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Pack into buckets of at most `max_bytes` (a group larger than that gets a bucket of its own)."""
+def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES,
+         allocate: Allocate | None = None) -> list[Bucket]:
+    """Pack into buckets of at most `max_bytes` (a group larger than that gets a bucket of its own); each bucket's
+    buffer from `allocate` if given (`sync.shm.SharedSegments.allocate`: in shared memory the receiver can open)."""
     groups: dict[str, list[str]] = {}
     for name in sorted(tensors):
         groups.setdefault(_group_key(name), []).append(name)
@@ -50,10 +54,10 @@ def pack(tensors: dict[str, torch.Tensor], max_bytes: int = DEFAULT_BUCKET_BYTES
             size = 0
         plans[-1].extend(names)
         size += nbytes
-    return [_pack_one(tensors, names) for names in plans if names]
+    return [_pack_one(tensors, names, allocate) for names in plans if names]
 
 
-def _pack_one(tensors: dict[str, torch.Tensor], names: list[str]) -> Bucket:
+def _pack_one(tensors: dict[str, torch.Tensor], names: list[str], allocate: Allocate | None) -> Bucket:
     """One concatenation of the tensors' bytes and zero padding: a few batched copy kernels, not one per tensor."""
     device = tensors[names[0]].device
     zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
@@ -65,7 +69,7 @@ def _pack_one(tensors: dict[str, torch.Tensor], names: list[str]) -> Bucket:
         parts += [data, zeros[:pad]] if pad else [data]
         manifest.append((n, t.dtype, tuple(t.shape), total))
         total += data.numel() + pad
-    return Bucket(torch.cat(parts), manifest)
+    return Bucket(torch.cat(parts) if allocate is None else torch.cat(parts, out=allocate(total, device)), manifest)
 
 
 class BucketPacker:
@@ -74,8 +78,8 @@ class BucketPacker:
     tensor by tensor. A new layout (names, dtypes, shapes, device) packs afresh. The buffers are reused, so the
     sender must have the receiver's answer (which copies out of them) before it packs again."""
 
-    def __init__(self, max_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int = DEFAULT_BUCKET_BYTES, allocate: Allocate | None = None):
+        self.max_bytes, self.allocate = max_bytes, allocate
         self.key: list | None = None
         self.buckets: list[Bucket] = []
         self.views: list[torch.Tensor] = []
@@ -84,7 +88,7 @@ class BucketPacker:
         names = sorted(tensors)
         key = [(n, tensors[n].dtype, tensors[n].shape, tensors[n].device) for n in names]
         if key != self.key:
-            self.buckets = pack(tensors, self.max_bytes)
+            self.buckets = pack(tensors, self.max_bytes, self.allocate)
             views = unpack(self.buckets)
             self.key, self.views = key, [views[n] for n in names]
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,10 +31,35 @@ class TrainBatch:
     negative_cond: Cond | None  # None without CFG
     grid: tuple[int, ...]
     static: dict  # the model's non-tensor inputs, as the engine passed them (e.g. a video's fps)
+    expert: str  # the expert that ran these rows' steps in the rollout (as recorded): the one that re-scores them
 
 
 def _locate(rollout: Rollout) -> dict[int, tuple[Microgroup, int]]:
     return {s: (mg, i) for mg in rollout.microgroups for i, s in enumerate(mg.sample_indices)}
+
+
+def _expert(where: dict[int, tuple[Microgroup, int]], row: Row) -> str:
+    mg, _ = where[row.sample]
+    return mg.experts[mg.sde_steps[row.slot]]
+
+
+def split_by_expert(rollout: Rollout, batches: list[list[Row]], parity: bool = True) -> list[list[Row]]:
+    """Each micro-batch whose rows' steps ran on different experts split into one micro-batch per expert (in the
+    order the experts first appear, rows in order), since one forward runs one expert. Never under the aligned
+    settings (a micro-batch is one microgroup at one step); where it happens the batch shapes differ from the
+    rollout's, so in parity mode it warns (condition 4)."""
+    where = _locate(rollout)
+    out: list[list[Row]] = []
+    for rows in batches:
+        groups: dict[str, list[Row]] = {}
+        for r in rows:
+            groups.setdefault(_expert(where, r), []).append(r)
+        if len(groups) > 1 and parity:
+            warnings.warn(f"condition 4: a train micro-batch's rows ran on the experts {', '.join(groups)}: it is "
+                          "split into one forward per expert, whose batch shapes differ from the rollout's "
+                          "(docs/patch-group.md)", stacklevel=2)
+        out += groups.values()
+    return out
 
 
 def _pad_to(cond: Cond, streams: Mapping[str, str], width: int | None) -> Cond:
@@ -59,6 +85,10 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
     entries (batch-local padding, as the engine collates), the timestep as `family.train.timestep` makes it."""
     where = _locate(rollout)
     mgs = [where[r.sample] for r in rows]
+    experts = {_expert(where, r) for r in rows}
+    if len(experts) > 1:
+        raise ValueError(f"a micro-batch of rows of several experts ({', '.join(sorted(experts))}): split it first "
+                         "(`split_by_expert`)")
     steps = [mg.sde_steps[r.slot] for r, (mg, _) in zip(rows, mgs)]
     dtype = mgs[0][0].latents.dtype
     streams = family.pipeline.text_streams
@@ -91,4 +121,4 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
         old_log_prob=stack(lambda mg, i, t: mg.log_probs[t, i]),
         engine_guided=torch.stack([mg.guided_outputs[r.slot, i] for r, (mg, i) in zip(rows, mgs)]).to(device),
         advantages=advantages[[r.sample for r in rows]].to(device),
-        cond=pos, negative_cond=neg, grid=mgs[0][0].grid, static=dict(mgs[0][0].static))
+        cond=pos, negative_cond=neg, grid=mgs[0][0].grid, static=dict(mgs[0][0].static), expert=experts.pop())

@@ -11,6 +11,8 @@ parity are allowed but warned about loudly, naming the condition (ParityConditio
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
+
+from ..engine.sampling_params import CFG_SCALE_MAX, FPS_MAX, FPS_MIN, NOISE_LEVEL_MAX  # a leaf: no torch
 
 if TYPE_CHECKING:
     from ..models.spec import ModelFamily
@@ -68,9 +72,12 @@ class TrainConfig(BaseModel):
     dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
     use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
     lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
-    lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0)
+    lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0, le=1e4)
     lora_target_modules: list[str] | None = _f(None, "LoRA target modules (default: the model family's)", "model",
                                                min_length=1)
+    lora_experts: list[str] | None = _f(None, "the experts (pipeline components, e.g. transformer_2) whose LoRA is "
+                                              "trained (default: every expert of the checkpoint)", "model",
+                                        min_length=1)
     gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
                                              "forward's values, hence parity, are unchanged)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
@@ -88,37 +95,47 @@ class TrainConfig(BaseModel):
                                       "microgroup_size", ge=1)
     steps: int = _f(6, "denoising steps", "rollout", ge=1)
     sampler: Literal["sde", "cps"] = _f("sde", "sde or cps (ode has no log-probs to train on)", "rollout")
-    noise_level: float = _f(0.7, "SDE/CPS noise level a", "rollout", gt=0)
+    noise_level: float = _f(0.7, "SDE/CPS noise level a", "rollout", gt=0, le=NOISE_LEVEL_MAX)
     num_sde_steps: int | None = _f(None, f"stochastic (and trained) steps per trajectory, in one window (default: "
                                          f"{DEFAULT_NUM_SDE_STEPS}, or steps if fewer)", "rollout", ge=1)
     sde_window: tuple[int, int] | None = _f(None, "half-open step range [lo, hi] the SDE window lies in "
                                                   "(default: all steps)", "rollout")
-    cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1)
-    negative_prompt: str = _f(" ", "negative prompt of the CFG branch", "rollout")
+    cfg_scale: float = _f(4.0, "true-CFG scale (1: no guidance)", "rollout", ge=1, le=CFG_SCALE_MAX)
+    cfg_scale_2: float | None = _f(None, "CFG scale of the experts after the first (Wan2.2's guidance_scale_2; "
+                                         "default: --cfg-scale)", "rollout", ge=1, le=CFG_SCALE_MAX)
+    distilled_guidance_scale: float | None = _f(None, "a guidance-distilled model's scale input (FLUX.1-dev's "
+                                                      "guidance_scale; default: the family's)", "rollout", ge=0,
+                                                le=CFG_SCALE_MAX)
+    negative_prompt: str | None = _f(None, "negative prompt of the CFG branch (default: the family's: ' ' for "
+                                           "Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)",
+                                     "rollout")
+    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 pads "
+                                       "T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
                          ge=1)
     fps: float = _f(24.0, "a video's frame rate, which a video family conditions on (images ignore it)", "rollout",
-                    gt=0, allow_inf_nan=False)
+                    ge=FPS_MIN, le=FPS_MAX)
     rollout_patch_group: str | None = _f(None, "the engine's patch group (default: the model family's)", "rollout",
                                          "patch_group")
     disable_patch: list[str] = _f([], "switch one patch of the group off (repeatable)", "rollout")
     lora_merge_mode: Literal["unmerged", "merged"] = _f("unmerged", "how the engine takes LoRA updates", "rollout")
     # algorithm
     num_steps_per_rollout: int = _f(1, "optimizer steps per rollout; only the first is on-policy", "algorithm", ge=1)
-    clip_range: float = _f(1e-4, "PPO clip range", "algorithm", gt=0)
-    adv_clip_max: float = _f(5.0, "advantages are clipped to ±this", "algorithm", gt=0)
+    # PPO clips the ratio to [1 - clip_range, 1 + clip_range]: from 1 on, the lower bound is no bound.
+    clip_range: float = _f(1e-4, "PPO clip range", "algorithm", gt=0, lt=1)
+    adv_clip_max: float = _f(5.0, "advantages are clipped to ±this", "algorithm", gt=0, le=100)
     global_std: bool = _f(False, "normalise advantages by the std of all rewards instead of each group's",
                           "algorithm")
-    kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base", "algorithm", ge=0)
+    kl_beta: float = _f(0.0, "weight of the KL to the LoRA-disabled base", "algorithm", ge=0, le=100)
     algorithm: Literal["grpo", "nft"] = _f("grpo", "grpo (PPO-clip on the sampler's log-probs) or nft "
                                                    "(DiffusionNFT: KL- and CFG-free, needs --cfg-scale 1)", "algorithm",
                                            "name")
     ratio_norm: Literal["none", "grpo_guard"] = _f("none", "grpo_guard: GRPO-Guard's RatioNorm and 1/dt step "
                                                            "reweighting (sde sampler only)", "algorithm")
     nft_beta: float = _f(1.0, "DiffusionNFT's beta: how far the implicit policies lie from the old one",
-                         "algorithm", gt=0)
+                         "algorithm", gt=0, le=100)
     nft_adaptive_weight: bool = _f(True, "DiffusionNFT's self-normalised x0 loss weight (else plain velocity MSE)",
                                    "algorithm")
     parity_on_every_step: bool = _f(False, "measure the train/rollout mismatch on a rollout's later optimizer "
@@ -126,15 +143,16 @@ class TrainConfig(BaseModel):
                                            "forward per micro-batch); else those steps report it as null",
                                     "algorithm")
     # optim
-    lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0)
-    weight_decay: float = _f(0.0, "AdamW weight decay", "optim", ge=0)
+    # AdamW's decoupled decay scales a weight by 1 - lr·weight_decay: both at most 1 keep it in [0, 1].
+    lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0, le=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay", "optim", ge=0, le=1)
     lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule over the run's "
                                                                           "optimizer steps, after the warmup",
                                                               "optim")
     lr_warmup_steps: int = _f(0, "optimizer steps of linear warmup from 0", "optim", ge=0)
     ema_decay: float = _f(0.0, "EMA of the LoRA (0: off); checkpoints keep it and sample grids show it too",
                           "optim", ge=0, lt=1)
-    max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0, le=1e6)
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
     device: str = _f("cpu", "torch device", "parallel")
@@ -167,9 +185,13 @@ class TrainConfig(BaseModel):
     pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
                                  "parallel", ge=1)
     # checkpoint
-    save_every: int = _f(0, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
-                            "0: at the end only)", "checkpoint", ge=0)
-    resume: bool = _f(False, "continue from the latest complete checkpoint in output_dir", "checkpoint")
+    save_every: int = _f(10, "checkpoint every K optimizer steps, at the next rollout boundary (and at the end; "
+                             "0: at the end only)", "checkpoint", ge=0)
+    keep_checkpoints: int = _f(3, "after each checkpoint, prune all but the N newest complete ones (the latest is "
+                                  "never pruned; 0: keep all)", "checkpoint", ge=0)
+    resume: bool | Literal["auto"] = _f(False, "continue from the latest complete checkpoint in output_dir (none: "
+                                               "an error); auto: continue if there is one, else start afresh",
+                                        "checkpoint")
     # reward
     reward: str = _f("redness", "reward spec: name, name:w,name2:w2, module:function or http://HOST:PORT",
                      "reward", "name", min_length=1)
@@ -197,14 +219,23 @@ class TrainConfig(BaseModel):
                 data = {**data, "num_sde_steps": min(DEFAULT_NUM_SDE_STEPS, steps)}
         return data
 
-    @field_validator("lora_target_modules", "disable_patch", "engine_url", mode="before")
+    @field_validator("lora_target_modules", "lora_experts", "disable_patch", "engine_url", mode="before")
     @classmethod
     def _names_in(cls, v: Any) -> Any:
         if v == [None]:  # `--section.key null` on the command line: unset
             return None
         return list(v) if isinstance(v, tuple) else v
 
-    @field_validator("lora_target_modules", "disable_patch")
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_mode(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() not in {"auto", "true", "false", "yes", "no", "on", "off", "1",
+                                                             "0"}:
+            raise ValueError("takes no value (continue from the latest checkpoint, which must be there) or auto "
+                             "(continue if there is one, else start afresh)")
+        return v
+
+    @field_validator("lora_target_modules", "lora_experts", "disable_patch")
     @classmethod
     def _names(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and not all(name.strip() for name in v):
@@ -262,6 +293,13 @@ class TrainConfig(BaseModel):
                 errors.append(f"--num-frames {self.num_frames}: {e}")
         if self.disable_patch and self.rollout_patch_group == "none":
             errors.append("--disable-patch needs a patch group; --patch-group none applies no patches")
+        if self.rollout_patch_group is not None:
+            from ..models import patch_group_for
+
+            try:
+                patch_group_for(self.model_family(), self.rollout_patch_group)
+            except ValueError as e:
+                errors.append(str(e))
         if self.ratio_norm == "grpo_guard" and self.sampler == "cps":
             errors.append("--ratio-norm grpo_guard needs --sampler sde: CPS's log-prob drops the 1/(2s^2) term "
                           "RatioNorm cancels")
@@ -327,8 +365,8 @@ class TrainConfig(BaseModel):
         return get_family(self.family) if self.family is not None else default_family()
 
     def fill_family_defaults(self) -> "ModelFamily":
-        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group) to the
-        family's values, so that a run records them; returns the family."""
+        """Sets the settings left to the model family (LoRA targets, train attention backend, patch group, negative
+        prompt) to the family's values, so that a run records them; returns the family."""
         fam = self.model_family()
         if self.lora_target_modules is None:
             self.lora_target_modules = list(fam.train.lora_targets)
@@ -337,27 +375,63 @@ class TrainConfig(BaseModel):
                 fam.train.parity_backend
         if self.rollout_patch_group is None:
             self.rollout_patch_group = next(iter(fam.patch_groups))
+        if self.negative_prompt is None:  # stays None where the family's pipeline has none (FLUX.1)
+            self.negative_prompt = fam.guidance.negative_prompt
         return fam
 
-    def validate(self) -> None:
-        """Everything not checked on construction (what needs torch, diffusers or the model family: the family, the
-        device, the attention backend, the patch group's names, the wandb package), then one ParityConditionWarning
-        per broken condition. Fills the settings left to the family."""
+    def preflight(self) -> None:
+        """What is checked before anything heavy loads (torch's core and the family registry only; no model, no
+        diffusers): the prompts file, the checkpoint folder, the run folder, the patch group's patches, the
+        device. `trueflow train` runs it before it imports the trainer, and `validate` again."""
         import torch
-        from diffusers.models.attention_dispatch import AttentionBackendName
 
+        from ..engine.guidance import check_guidance, check_negative_prompt
         from ..patches import get_group
-        from .metrics import require_wandb
+        from .prompts import load_prompts
 
-        fam = self.fill_family_defaults()
-        if self.wandb:
-            require_wandb()
+        load_prompts(self.prompts)
+        if self.checkpoint is not None and not (Path(self.checkpoint) / "model_index.json").is_file():
+            raise FileNotFoundError(f"--checkpoint {self.checkpoint}: not a diffusers pipeline folder (no "
+                                    "model_index.json); leave it unset for the tiny demo checkpoint")
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise FileExistsError(f"--output-dir {out} is a file: name a folder")
+        if not self.resume and (out / "metrics.jsonl").exists():
+            raise FileExistsError(f"{out} holds a run: use --resume to continue it, or another --output-dir")
+        fam, group_name, _ = self._family_choices()
+        group = get_group(group_name)  # raises with the known names
+        unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
+        if unknown:
+            raise ValueError(f"--disable-patch {', '.join(unknown)}: not a patch of group {group_name!r} "
+                             f"(its patches: {', '.join(group.patch_names)})")
+        # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
+        negative = self.negative_prompt if self.negative_prompt is not None else fam.guidance.negative_prompt
+        check_guidance(fam.name, fam.guidance, self.cfg_scale, self.cfg_scale_2, self.distilled_guidance_scale)
+        check_negative_prompt(fam.name, fam.guidance, self.cfg_scale, negative)
+        if not self.max_sequence_length <= fam.pipeline.max_text_tokens:
+            raise ValueError(f"--max-sequence-length {self.max_sequence_length}: {fam.name} takes at most "
+                             f"{fam.pipeline.max_text_tokens} text tokens")
         try:
             device = torch.device(self.device)
         except RuntimeError:
             raise ValueError(f"--device {self.device}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: this machine has no CUDA device; use --device cpu")
+
+    def validate(self) -> None:
+        """Everything not checked on construction: `preflight`, then what needs diffusers or an optional package
+        (the attention backend, wandb), then one ParityConditionWarning per broken condition. Fills the settings
+        left to the family."""
+        import torch
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        from .metrics import require_wandb
+
+        self.preflight()
+        fam = self.fill_family_defaults()
+        if self.wandb:
+            require_wandb()
+        device = torch.device(self.device).type  # a valid name: `preflight` checked it
         if self.batch_invariant:  # its diffusers backend, registered (and this process's GEMMs in the mode)
             from .batch_invariant import register_backend
 
@@ -366,15 +440,9 @@ class TrainConfig(BaseModel):
         if self.fsdp_attention_backend not in backends:
             raise ValueError(f"--fsdp-attention-backend {self.fsdp_attention_backend}: not a diffusers attention "
                              f"backend; use {fam.train.parity_backend} (or one of {', '.join(sorted(backends))})")
-        if self.fsdp_attention_backend == "_native_cudnn" and device.type != "cuda":
+        if self.fsdp_attention_backend == "_native_cudnn" and device != "cuda":
             raise ValueError(f"--fsdp-attention-backend _native_cudnn needs a CUDA device (cuDNN attention does not "
-                             f"exist on {device.type}); use --device cuda, or {fam.train.parity_backend}")
-
-        group = get_group(self.rollout_patch_group)  # raises with the known names
-        unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
-        if unknown:
-            raise ValueError(f"--disable-patch {', '.join(unknown)}: not a patch of group {self.rollout_patch_group!r} "
-                             f"(its patches: {', '.join(group.patch_names)})")
+                             f"exist on {device}); use --device cuda, or {fam.train.parity_backend}")
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
 
@@ -413,10 +481,13 @@ class TrainConfig(BaseModel):
                        "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
-        if self.num_steps_per_rollout > 1:
+        # Later steps train on moved weights by design; what condition 1 guards is the measured mismatch. With
+        # --parity-on-every-step each later step re-scores with the rolled-out LoRA, exactly 0.0 again (the policy's
+        # own change shows in policy_*), so nothing of parity is lost; without it those steps go unmeasured.
+        if self.num_steps_per_rollout > 1 and not self.parity_on_every_step:
             out.append(f"condition 1: --num-steps-per-rollout {self.num_steps_per_rollout}: only the first "
-                       "optimizer step of a rollout is on-policy; later ones train on updated weights (their "
-                       "train/rollout mismatch is null unless --parity-on-every-step; policy_* shows the change)")
+                       "optimizer step of a rollout runs on the rolled-out weights; the later ones' train/rollout "
+                       "mismatch is not measured (null) unless --parity-on-every-step (policy_* shows the change)")
         # The batch-invariant mode lifts conditions 2, 3 and 4: no row depends on the batch, its padding or mask.
         if self.pad_text_to is not None and not self.batch_invariant:
             out.append(f"condition 3: --pad-text-to {self.pad_text_to} pads the train batch to a whole window, "
@@ -466,12 +537,13 @@ class TrainConfig(BaseModel):
 
 # What a resumed run may change: where it writes, how long it runs, what it logs, where its parts run (placement
 # changes no metric, tests/test_train.py). Any other setting changes the math of the run, so a resume refuses it.
-RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "sample_every", "tensorboard",
+RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
+                               "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
                                "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
                                "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:
@@ -585,6 +657,33 @@ def _flag(section: str | None, key: str) -> str:
     return "--" + (f"{section}." if section else "") + key.replace("_", "-")
 
 
+def _flat_aliases(name: str) -> list[str]:
+    """A setting's flat flags, without the leading -- (none where its sectioned flag is already flat)."""
+    nested = _flag(*LOCATIONS[name])[2:]
+    return [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+
+
+def _default_text(f: FieldInfo) -> str:
+    default = f.default
+    return repr(default) if isinstance(default, str) and default.strip() != default else _show(default)
+
+
+def settings_table() -> str:
+    """docs/training.md's settings table, one row per setting from this schema (tests/test_docs.py keeps the doc
+    equal to it; `python scripts/docs.py --table` rewrites it)."""
+    lines = ["| setting (YAML) | flags | default | what it sets |", "|---|---|---|---|"]
+    for name, f in TrainConfig.model_fields.items():
+        section, key = LOCATIONS[name]
+        flags = [_flag(section, key), *(f"--{a}" for a in _flat_aliases(name))]
+        args = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+        choices = f" ({' or '.join(f'`{c}`' for c in typing.get_args(args[0] if args else f.annotation))})" \
+            if typing.get_origin(args[0] if args else f.annotation) is Literal else ""
+        what = (f.description or "").replace("|", "\\|")
+        lines.append(f"| `{f'{section}.' if section else ''}{key}` | {', '.join(f'`{x}`' for x in flags)} | "
+                     f"`{_default_text(f)}` | {what}{choices} |")
+    return "\n".join(lines) + "\n"
+
+
 def _settings_class() -> type:
     """TrainConfig in sections, for pydantic-settings to build flags from (the checks stay in TrainConfig)."""
     from pydantic_settings import BaseSettings
@@ -612,8 +711,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
                    "loads that back)")
     shortcuts = {}  # sectioned flag -> its flat aliases, without the leading --
     for name, (section, key) in LOCATIONS.items():
-        nested = _flag(section, key)[2:]
-        flat = [a for a in (name.replace("_", "-"), *_MORE_ALIASES.get(name, ())) if a != nested]
+        nested, flat = _flag(section, key)[2:], _flat_aliases(name)
         if name in SECTIONS:  # --checkpoint, --reward: pydantic-settings would take these names for the sections
             p.add_argument(*(f"--{a}" for a in flat), dest=f"{section}.{key}", default=argparse.SUPPRESS,
                            metavar="VALUE", help=f"{TrainConfig.model_fields[name].description} (alias of --{nested})")
@@ -625,10 +723,49 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
 
 
 def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:
-    """pydantic-settings' add_argument, less its `--SECTION JSON` flags: --checkpoint and --reward are the flat
-    aliases of model.checkpoint and reward.name, and every setting of a section has its own flag."""
-    if kwargs.get("dest") not in SECTIONS:
-        parser.add_argument(*names, **kwargs)
+    """pydantic-settings' add_argument, less its `--SECTION JSON` flags (--checkpoint and --reward are the flat
+    aliases of model.checkpoint and reward.name, and every setting of a section has its own flag), with a metavar
+    that says what to write and one default in the help."""
+    dest = kwargs.get("dest")
+    if dest in SECTIONS:
+        return
+    name = _FLAT_NAME.get(tuple(dest.split(".", 1)) if "." in dest else (None, dest)) if dest else None
+    if name is not None:
+        f = TrainConfig.model_fields[name]
+        if "metavar" in kwargs:
+            kwargs["metavar"] = _metavar(f.annotation)
+        kwargs["help"] = _help(f)
+    if dest == "checkpoint.resume":  # a switch that also takes `auto`: --resume, --resume auto, --no-resume
+        parser.add_argument(*names, **{**kwargs, "nargs": "?", "const": "true", "metavar": "auto"})
+        parser.add_argument(*(f"--no-{n[2:]}" for n in names), dest=dest, action="store_const", const="false",
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return
+    parser.add_argument(*names, **kwargs)
+
+
+def _metavar(annotation: Any) -> str:
+    """What a value looks like: `{a,b}` for a choice, N, X, TEXT, `A,B` for a list, `LO,HI` for a pair."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _metavar(args[0])
+    if typing.get_origin(annotation) is Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if typing.get_origin(annotation) is list:
+        return "A,B"
+    if typing.get_origin(annotation) is tuple:
+        return "LO,HI"
+    return {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")
+
+
+def _help(f: FieldInfo) -> str:
+    """The description, with its default (once: a description that says its default keeps its own words), and how
+    to unset an optional setting."""
+    text = f.description or ""
+    if "(default" not in text:
+        text += f" (default: {_default_text(f)})"
+    if type(None) in typing.get_args(f.annotation):
+        text += "; null unsets it"
+    return text.replace("%", "%%")
 
 
 def config_from_args(args: argparse.Namespace, source: Any) -> TrainConfig:
@@ -645,7 +782,9 @@ def config_from_args(args: argparse.Namespace, source: Any) -> TrainConfig:
 
 def config_from_argv(argv: list[str]) -> TrainConfig:
     """`trueflow train ARGV`'s settings (for scripts and tests)."""
-    p = argparse.ArgumentParser(prog="trueflow train")
+    from ..options import Parser
+
+    p = Parser(prog="trueflow train")
     source = add_arguments(p)
     return config_from_args(p.parse_args(argv), source)
 

@@ -1,5 +1,6 @@
 """The process group of a training run: torchrun's, or a one-rank group on loopback for the embedded default
-(so one code path — FSDP2 — serves one process and many)."""
+(so one code path — FSDP2 — serves one process and many). Its store and sockets bind the rendezvous address only:
+loopback unless a multi-node run names another (`net.tcp_store`, docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..net import free_port
+from ..net import LOOPBACK, keep_sockets_on, tcp_store
 
 
 @dataclass(frozen=True)
@@ -24,15 +25,21 @@ class DistContext:
 
 
 def init_distributed(device: str) -> DistContext:
-    """gloo on CPU, NCCL on CUDA. Under torchrun the env names rank and world; otherwise a one-rank group on
-    127.0.0.1. A CUDA rank takes the GPU of its local rank."""
+    """gloo on CPU, NCCL on CUDA. Under torchrun (or a Ray run's driver) the env names rank, world and the
+    rendezvous (MASTER_ADDR, default 127.0.0.1); otherwise a one-rank group on 127.0.0.1. A CUDA rank takes the GPU
+    of its local rank."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
-        if "RANK" in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        host = os.environ.setdefault("MASTER_ADDR", LOOPBACK) if "RANK" in os.environ else LOOPBACK
+        keep_sockets_on(host)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
             dist.init_process_group(backend)
+        elif "RANK" in os.environ:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = tcp_store(host, int(os.environ["MASTER_PORT"]), rank, world)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, store=tcp_store(LOOPBACK, 0, 0, 1), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))

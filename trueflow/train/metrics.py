@@ -7,13 +7,16 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync")  # vary run to run
+# Wall-clock values, which vary run to run (a comparison of two runs' records leaves them out): the phases' seconds
+# and when the record was written (ISO 8601, UTC).
+TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "timestamp")
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,10 @@ def step_record(step: int, rollout: int, step_in_rollout: int, scored: torch.Ten
                 sync: dict, times: dict, time_train: float) -> dict:
     """One optimizer step's metrics line. `scored`: the rollout's rewards less the skipped (NaN) ones; `dropped`:
     the samples the reward skipped; `train`: the optimizer step's metrics; `sync`: the LoRA sync's checksums and
-    time; `times`: the rollout's and reward's. Scripts read these names: keep them."""
-    return {"step": step, "rollout": rollout, "step_in_rollout": step_in_rollout,
+    time; `times`: the rollout's and reward's. Scripts read these names: keep them. `timestamp`: when the record was
+    made, ISO 8601 in UTC."""
+    return {"timestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "step": step, "rollout": rollout, "step_in_rollout": step_in_rollout,
             "reward_mean": _mean(scored), "reward_std": _std(scored),
             "dropped_samples": dropped, **train,
             "checksums_equal": sync["checksums_equal"],

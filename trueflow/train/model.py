@@ -7,7 +7,6 @@ the compute copies' values.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass, field
 
@@ -53,11 +52,6 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec, b_init_std: float = 0.0, se
             for name, p in sorted(model.named_parameters()):
                 if ".lora_B." in name:
                     p.copy_(torch.randn(p.shape, generator=g) * b_init_std)
-
-
-def compute_copy(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The bf16 compute copy of fp32 masters (no autocast anywhere; each op runs in the copy's dtype)."""
-    return copy.deepcopy(master).to(dtype)
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -107,7 +101,8 @@ def train_forward(
     return train.forward(model, hidden_states, timestep, grid, cond, **static)
 
 
-def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The family's diffusers transformer from a checkpoint folder: fp32 for masters, or cast once to a compute
-    dtype."""
-    return family.train.model_class().from_pretrained(checkpoint, subfolder="transformer", dtype=dtype)
+def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32,
+                     subfolder: str = "transformer") -> torch.nn.Module:
+    """The family's diffusers transformer `subfolder` (an expert's pipeline component) from a checkpoint folder:
+    fp32 for masters, or cast once to a compute dtype."""
+    return family.train.model_class().from_pretrained(checkpoint, subfolder=subfolder, dtype=dtype)

@@ -1,29 +1,39 @@
 """The policy being trained: the model family's diffusers transformer + a PEFT LoRA, sharded with FSDP2 under the precision
 contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
 frozen base stored as its bf16 compute copy (value-identical to casting fp32 masters each step, half the memory).
-The model itself knows nothing of parallelism; `shard` applies FSDP2 to the built model."""
+The model itself knows nothing of parallelism; `shard` applies FSDP2 to the built model.
+
+A family of several experts (Wan2.2-A14B's `transformer` and `transformer_2`) has one such model per expert, held
+as a mapping expert name -> model in the pipeline's order; the LoRA of every expert the settings train travels as
+one state dict whose first-expert names are PEFT's own and whose other names are prefixed `"<expert>."`
+(`models.spec.expert_prefix`), so a one-expert policy's names are exactly those of a plain PEFT model."""
 
 from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..models.spec import ModelFamily
+from ..models.spec import ModelFamily, expert_prefix
 from .model import LoraSpec, add_lora, load_transformer
 
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
-def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec, compute_dtype: torch.dtype,
-                 device: torch.device, seed: int, gradient_checkpointing: bool = False) -> nn.Module:
-    model = load_transformer(family, checkpoint, compute_dtype)
+def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec | None, compute_dtype: torch.dtype,
+                 device: torch.device, seed: int, gradient_checkpointing: bool = False,
+                 subfolder: str = "transformer") -> nn.Module:
+    """The policy of one expert (`subfolder`, its pipeline component); `spec` None: frozen, without a LoRA (an
+    expert the settings do not train)."""
+    model = load_transformer(family, checkpoint, compute_dtype, subfolder)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    add_lora(model, spec, seed=seed)  # PEFT's init (B = 0), seeded
+    if spec is not None:
+        add_lora(model, spec, seed=seed)  # PEFT's init (B = 0), seeded
     for name, p in model.named_parameters():
         is_lora = bool(_LORA_PARAM.search(name))
         if is_lora:
@@ -51,17 +61,27 @@ def shard(model: nn.Module, compute_dtype: torch.dtype, units: tuple[str, ...]) 
     return model
 
 
-def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """LoRA masters by PEFT state-dict name (`transformer_blocks.0.attn.to_q.lora_A.weight`)."""
-    return {name.replace(".default", ""): p for name, p in model.named_parameters() if _LORA_PARAM.search(name)}
+def lora_parameters(models: Mapping[str, nn.Module]) -> dict[str, nn.Parameter]:
+    """LoRA masters of every expert's model by PEFT state-dict name (`transformer_blocks.0.attn.to_q.lora_A.weight`),
+    prefixed `"<expert>."` for each expert after the first."""
+    names = list(models)
+    return {f"{expert_prefix(names, k)}{name.replace('.default', '')}": p
+            for k, model in enumerate(models.values()) for name, p in model.named_parameters()
+            if _LORA_PARAM.search(name)}
+
+
+def optimizer_module(models: Mapping[str, nn.Module]) -> nn.Module:
+    """The module whose parameter names key the optimizer's full state dict in a checkpoint: the one expert's
+    model itself (its PEFT names, as before experts), or the experts under their names."""
+    return next(iter(models.values())) if len(models) == 1 else nn.ModuleDict(dict(models))
 
 
 @torch.no_grad()
-def lora_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Unsharded LoRA tensors (a collective: every rank calls it). With `dtype` = the compute dtype these are
-    exactly the compute copies the forward used — what the engine must receive."""
+def lora_full_state(models: Mapping[str, nn.Module], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Unsharded LoRA tensors (a collective: every rank calls it), named as `lora_parameters`. With `dtype` = the
+    compute dtype these are exactly the compute copies the forward used — what the engine must receive."""
     out = {}
-    for name, p in lora_parameters(model).items():
+    for name, p in lora_parameters(models).items():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         out[name] = full.to(dtype) if dtype is not None else full.clone()
     return out

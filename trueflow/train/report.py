@@ -3,6 +3,7 @@ summary.md with the plots and parity per step."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,6 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-from PIL import Image
-
 from .metrics import read_metrics
 
 REWARD_PNG, PARITY_PNG, TIMING_PNG = "reward_curve.png", "parity_diff.png", "timing.png"
@@ -30,23 +29,44 @@ TIMING_SERIES = (
 )
 
 
-def write_sample_grid(rollout, path: Path) -> Path:
-    """One row per prompt, its samples left to right. A video rollout's grid shows each sample's middle frame, and
-    each prompt's first sample is written beside it as an MP4 (`<grid>-p<prompt>.mp4`)."""
+def write_sample_grid(rollout, path: Path, reward_name: str = "reward") -> Path:
+    """The rollout's `sample_grid_figure` as a PNG. A video rollout's grid shows each sample's middle frame, and each
+    prompt's first sample is written beside it as an MP4 (`<grid>-p<prompt>.mp4`)."""
     images = rollout.images.cpu()
     if images.ndim == 5:  # [P*n, F, H, W, 3]
         from ..video import write_mp4
 
-        for p in range(images.shape[0] // rollout.n_per_prompt):
-            write_mp4(images[p * rollout.n_per_prompt], path.with_name(f"{path.stem}-p{p}.mp4"), rollout.params.fps)
+        n = rollout.n_per_prompt
+        for p in range(images.shape[0] // n):
+            write_mp4(images[p * n], path.with_name(f"{path.stem}-p{p}.mp4"), rollout.params.fps)
         images = images[:, images.shape[1] // 2]
-    images = images.numpy()  # [P*n, H, W, 3]
-    n, (h, w) = rollout.n_per_prompt, images.shape[1:3]
-    p = images.shape[0] // n
-    grid = images.reshape(p, n, h, w, 3).transpose(0, 2, 1, 3, 4).reshape(p * h, n * w, 3)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.ascontiguousarray(grid)).save(path)
+    sample_grid_figure(images.numpy(), rollout, reward_name).savefig(path)
     return path
+
+
+def sample_grid_figure(images: np.ndarray, rollout, reward_name: str = "reward") -> Figure:
+    """One row per prompt (the prompt at its left), its samples left to right, each titled with its reward (or
+    "skipped" where the reward skipped the prompt's group, "not scored" where no reward ran). `images`: uint8
+    `[P*n, H, W, 3]`."""
+    n = rollout.n_per_prompt
+    rows, (h, w) = images.shape[0] // n, images.shape[1:3]
+    rewards = [None] * len(images) if rollout.rewards is None else rollout.rewards.float().cpu().tolist()
+    # A cell shows the image at about its own pixels, within 1.5-3 inches at the figure's 110 dpi.
+    side = min(3.0, max(1.5, max(h, w) / 110))
+    fig = Figure(figsize=(side * n + 2.2, side * rows * h / w + 0.9), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.suptitle(f"{reward_name} of each sample (seed {rollout.seed}); one row per prompt", fontsize=9)
+    axes = fig.subplots(rows, n, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.imshow(images[i], interpolation="nearest")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        r = rewards[i]
+        ax.set_title("not scored" if r is None else "skipped" if not np.isfinite(r) else f"{r:.4g}", fontsize=8)
+        if i % n == 0:
+            ax.set_ylabel(textwrap.fill(rollout.prompts[i // n], 24), fontsize=8, rotation=0, ha="right", va="center")
+    return fig
 
 
 def _column(rows: list[dict], key: str) -> np.ndarray:
@@ -68,12 +88,20 @@ def _figure(title: str, ylabel: str) -> tuple[Figure, Axes]:
     ax.set_title(title)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.grid(True, alpha=0.3)
     return fig, ax
 
 
-def _legend(fig: Figure) -> Figure:
+def _steps_axis(ax: Axes, steps: np.ndarray) -> None:
+    """Half a step of room each side: matplotlib's own margins around one or two steps leave no integer to tick
+    but the steps themselves, and it then falls back to fractional ticks."""
+    if steps.size:
+        ax.set_xlim(np.nanmin(steps) - 0.5, np.nanmax(steps) + 0.5)
+
+
+def _legend(fig: Figure, steps: np.ndarray) -> Figure:
+    _steps_axis(fig.axes[0], steps)
     fig.legend(loc="outside lower center", ncols=2, fontsize=8)  # below the axes: never over the data
     return fig
 
@@ -91,7 +119,7 @@ def reward_figure(rows: list[dict], reward_name: str = "reward") -> Figure:
     if missing.any():
         ax.plot(steps[missing], np.zeros(missing.sum()), "x", color="tab:red", ms=8, mew=2,
                 transform=ax.get_xaxis_transform(), clip_on=False, label="no reward (all samples skipped)")
-    return _legend(fig)
+    return _legend(fig, steps)
 
 
 def parity_figure(rows: list[dict]) -> Figure:
@@ -133,7 +161,7 @@ def parity_figure(rows: list[dict]) -> Figure:
         ax.plot(steps[broken], np.ones(broken.sum()), "v", color="tab:red", ms=8,
                 transform=ax.get_xaxis_transform(), clip_on=False, label="not finite (NaN or inf)")
     ax.axhline(0.0, color="black", lw=0.8)
-    return _legend(fig)
+    return _legend(fig, steps)
 
 
 def timing_figure(rows: list[dict]) -> Figure:
@@ -145,7 +173,7 @@ def timing_figure(rows: list[dict]) -> Figure:
         if np.isfinite(v).any():
             ax.plot(steps, v, "o-", ms=3, label=label)
     ax.set_ylim(bottom=0)
-    return _legend(fig)
+    return _legend(fig, steps)
 
 
 def write_plots(rows: list[dict], out: Path, reward_name: str = "reward") -> list[Path]:
@@ -202,7 +230,12 @@ def write_summary(out: Path, cfg, rows: list[dict] | None = None) -> Path:
                      f"{r['checksums_equal']} |")
     samples = sorted((out / "samples").glob("*.png")) if (out / "samples").is_dir() else []
     if samples:
-        lines += ["", "Sample grids (one row per prompt):", ""] + [f"![{s.stem}](samples/{s.name})" for s in samples]
+        lines += ["", "Sample grids (one row per prompt, each sample titled with its reward):", ""]
+        lines += [f"![{s.stem}](samples/{s.name})" for s in samples]
+    videos = sorted((out / "samples").glob("*.mp4")) if (out / "samples").is_dir() else []
+    if videos:
+        lines += ["", "Videos (each prompt's first sample, H.264 MP4):", ""]
+        lines += [f"- [{v.stem}](samples/{v.name})" for v in videos]
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path

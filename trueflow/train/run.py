@@ -14,7 +14,7 @@ from ..placement import EngineSpec, Placement, RewardSpec, build_engine
 from . import checkpoint as ckpt
 from .config import TrainConfig, resume_changes
 from .dist import init_distributed
-from .prompts import load_prompts
+from .lock import holding_run_lock, lock_run_folder
 
 DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
@@ -32,24 +32,24 @@ def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
 def _check_before_loading(cfg: TrainConfig) -> tuple | None:
     """Every check that needs no model, so a mistake costs no loading time. Returns the checkpoint to resume from
     (`checkpoint.load_latest`), if any."""
-    cfg.validate()
-    load_prompts(cfg.prompts)
+    cfg.validate()  # its preflight checks the prompts, the checkpoint folder and the run folder
     if cfg.checkpoint is None:
         cfg.checkpoint = str(DEFAULT_CHECKPOINT)
-    elif not (Path(cfg.checkpoint) / "model_index.json").is_file():
-        raise FileNotFoundError(f"--checkpoint {cfg.checkpoint}: not a diffusers pipeline folder (no model_index.json); "
-                                "leave it unset for the tiny demo checkpoint")
     _check_schedule(cfg)
     out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--output-dir {out} is a file: name a folder")
-    if not cfg.resume and (out / "metrics.jsonl").exists():
-        raise FileExistsError(f"{out} holds a run: use --resume to continue it, or another --output-dir")
+    if cfg.resume is True and not out.exists():
+        raise FileNotFoundError(f"--resume: no folder {out} to continue (--resume auto starts afresh there)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--output-dir {out}: cannot create it ({e.strerror})") from None
+    lock_run_folder(cfg, out)  # before anything in it is read: a live run there is refused
+    if not cfg.resume and (out / "metrics.jsonl").exists():
+        raise FileExistsError(f"{out} holds a run: use --resume to continue it, or another --output-dir")
     resumed = ckpt.load_latest(out) if cfg.resume else None
+    if cfg.resume is True and resumed is None:
+        raise FileNotFoundError(f"--resume: {out} holds no checkpoint to continue from (a run killed before its "
+                                "first checkpoint leaves none); --resume auto starts afresh when there is none")
     if resumed is not None:
         path, _, _, state = resumed
         refused, warned = resume_changes(state.get("config", {}), cfg)
@@ -74,8 +74,10 @@ def _check_schedule(cfg: TrainConfig) -> None:
         raise ValueError(f"--steps {cfg.steps}: {e}; use more --steps") from None
 
 
+@holding_run_lock
 def run_training(cfg: TrainConfig) -> Path | None:
-    """Runs on every rank; returns the run folder on rank 0, None elsewhere."""
+    """Runs on every rank; returns the run folder on rank 0, None elsewhere. Rank 0 holds the run folder's lock
+    (`lock`) from its first look into the folder to the end."""
     resumed = _check_before_loading(cfg)
     if cfg.deterministic:
         use_deterministic_kernels()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,9 +22,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..dtypes import torch_dtype
-from ..engine.guidance import true_cfg
+from ..engine.guidance import check_guidance, expert_scale, guide
 from ..engine.samplers import cps_log_prob, sde_log_prob
 from ..engine.interface import RolloutRequest
+from ..models import checkpoint_experts
 from ..rewards.base import RewardError
 from ..rl.advantages import group_advantages
 from ..rl.grpo_guard import normalized_ratio, step_weight
@@ -32,7 +33,7 @@ from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from . import checkpoint as ckpt
-from .batch import TrainBatch, assemble
+from .batch import TrainBatch, assemble, split_by_expert
 from .config import TrainConfig
 from .dist import DistContext, all_gather_object, all_reduce
 from .metrics import MetricsWriter, WandbSettings, step_record
@@ -67,15 +68,26 @@ class Trainer:
         self.dtype = torch_dtype(cfg.dtype)
         self.prompts = load_prompts(cfg.prompts)
         self.family = cfg.fill_family_defaults()
+        # One policy per expert of the checkpoint (in the pipeline's order); those the settings name get a LoRA.
+        self.experts = [e.name for e in checkpoint_experts(cfg.checkpoint, self.family)]
+        check_guidance(self.family.name, self.family.guidance, cfg.cfg_scale, cfg.cfg_scale_2,
+                       cfg.distilled_guidance_scale, len(self.experts))
+        unknown = sorted(set(cfg.lora_experts or ()) - set(self.experts))
+        if unknown:
+            raise ValueError(f"--lora-experts {', '.join(unknown)}: not an expert of {cfg.checkpoint} (its experts: "
+                             f"{', '.join(self.experts)})")
+        self.trained = set(cfg.lora_experts or self.experts)
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
-        self.model = build_policy(self.family, cfg.checkpoint, self.lora_spec, self.dtype, ctx.device, cfg.seed,
-                                  cfg.gradient_checkpointing)
+        self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
+                                       self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing, subfolder=e)
+                       for k, e in enumerate(self.experts)}
         if cfg.train_tp_match:  # each sharded layer as the engine's tensor-parallel ranks compute it
             from ..parallel.engine import tp_plan
             from ..parallel.train_match import match_tp
 
-            match_tp(self.model, tp_plan(self.family, cfg.train_tp_match), cfg.train_tp_match)
-        self.named_params = lora_parameters(self.model)
+            for model in self.models.values():
+                match_tp(model, tp_plan(self.family, cfg.train_tp_match), cfg.train_tp_match)
+        self.named_params = lora_parameters(self.models)
         self.params = list(self.named_params.values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, cfg.num_rollouts * cfg.num_steps_per_rollout,
@@ -87,7 +99,7 @@ class Trainer:
         if cfg.resume:  # nothing saved yet: start over, dropping any metrics of the killed run
             keep = 0
             if resumed is not None:
-                saved = ckpt.restore_training(resumed, self.model, self.named_params, self.optimizer, self.scheduler,
+                saved = ckpt.restore_training(resumed, self.models, self.named_params, self.optimizer, self.scheduler,
                                               self.ema)
                 self.state = StepState(step=saved["step"], rollout=saved["rollout"])
                 self.saved_step = saved["step"]
@@ -104,7 +116,7 @@ class Trainer:
         the trainer's checksum, rank 0's engine's, whether every engine holds the trainer's LoRA, and the time
         taken (the slowest rank's)."""
         t0 = time.perf_counter()
-        state = lora_full_state(self.model, self.dtype)  # a collective: every rank takes part
+        state = lora_full_state(self.models, self.dtype)  # a collective: every rank takes part
         engine_sum = self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
         trainer_sum = tensors_checksum(state)
         sums = all_gather_object(engine_sum)
@@ -153,9 +165,10 @@ class Trainer:
 
         c = self.cfg
         return SamplingParams(steps=c.steps, sampler=c.sampler, noise_level=c.noise_level, cfg_scale=c.cfg_scale,
+                              cfg_scale_2=c.cfg_scale_2, distilled_guidance_scale=c.distilled_guidance_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
                               sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
-                              fps=c.fps,
+                              fps=c.fps, max_sequence_length=c.max_sequence_length,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 
     def _log_prob(self, b: TrainBatch, guided: torch.Tensor):
@@ -165,18 +178,20 @@ class Trainer:
         return cps_log_prob(b.next_latents, b.latents, guided, b.sigma, b.sigma_next, c.noise_level)
 
     def _guided(self, b: TrainBatch) -> torch.Tensor:
-        """Both CFG branches as two separate forwards on the recorded inputs, combined and post-processed as the
-        engine does (the family's `model_output`)."""
+        """The guided output on the recorded inputs, by the expert that ran the rows' step, guided as the engine
+        guides (`engine.guidance.guide`: the family's branches and formula, the expert's scale), then
+        post-processed as the engine does (the family's `model_output`)."""
+        model, cfg = self.models[b.expert], self.cfg
+
+        def branch(hidden_states: torch.Tensor, timestep: torch.Tensor, cond) -> torch.Tensor:
+            return train_forward(self.family, model, hidden_states, timestep, b.grid, cond,
+                                 backend=cfg.fsdp_attention_backend, **b.static)
+
         # The model reads the latents in the compute dtype, as the engine's runner casts them (a no-op where the
         # pipeline keeps its latents in that dtype; LTX-2.3 keeps them in fp32).
-        latents = b.latents.to(self.dtype)
-
-        def branch(cond):
-            return train_forward(self.family, self.model, latents, b.timestep, b.grid, cond,
-                                 backend=self.cfg.fsdp_attention_backend, **b.static)
-
-        pos = branch(b.cond)
-        v = pos if b.negative_cond is None else true_cfg(pos, branch(b.negative_cond), self.cfg.cfg_scale)
+        scale = expert_scale(self.experts.index(b.expert), cfg.cfg_scale, cfg.cfg_scale_2)
+        v = guide(self.family.guidance, branch, b.latents.to(self.dtype), b.timestep, b.cond, b.negative_cond, scale,
+                  self.family.pipeline.text_streams).output
         post = self.family.pipeline.model_output
         return v if post is None else post(v, b.latents, b.sigma.reshape(-1, *([1] * (b.latents.ndim - 1))))
 
@@ -209,7 +224,8 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
         samples = train_order(sizes, cfg.train_dp_split_mode)
-        batches = micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample, cfg.micro_batch_size_tstep)
+        batches = split_by_expert(rollout, micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample,
+                                                         cfg.micro_batch_size_tstep), cfg.rollout_patch_group != "none")
 
         def batch(rows) -> TrainBatch:
             return assemble(rollout, rows, advantages, ctx.device, self.family, cfg.pad_text_to,
@@ -225,16 +241,20 @@ class Trainer:
         sums = {"clipped": 0.0, "loss_sum": 0.0, "kl_sum": 0.0}
         for rows in batches:
             b = batch(rows)
-            guided = self._guided(b)
-            log_prob, mean, std = self._log_prob(b, guided)
-            loss, clip_frac = self._policy_loss(b, guided, log_prob, mean, std)
+            # Rows of an expert the settings do not train are scored (parity, the loss) but give no gradient.
+            trains = b.expert in self.trained
+            with nullcontext() if trains else torch.no_grad():
+                guided = self._guided(b)
+                log_prob, mean, std = self._log_prob(b, guided)
+                loss, clip_frac = self._policy_loss(b, guided, log_prob, mean, std)
             kl = torch.zeros(())
-            if cfg.kl_beta:
-                with torch.no_grad(), _adapters_disabled(self.model):
+            if cfg.kl_beta and trains:  # an untrained expert is its own LoRA-disabled base: KL 0
+                with torch.no_grad(), _adapters_disabled(self.models[b.expert]):
                     _, ref_mean, _ = self._log_prob(b, self._guided(b))
                 kl = kl_penalty(mean, ref_mean, std, b.sigma_next - b.sigma, cfg.sampler).mean()
                 loss = loss + cfg.kl_beta * kl
-            (loss / len(batches)).backward()
+            if trains:
+                (loss / len(batches)).backward()
             with torch.no_grad():
                 parity.add(b, guided, log_prob)
                 sums["clipped"] += (clip_frac or 0.0) * len(rows)
@@ -244,14 +264,14 @@ class Trainer:
         sums = all_reduce(sums, dist.ReduceOp.SUM)
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        before = lora_full_state(self.model)
+        before = lora_full_state(self.models)
         if not cfg.debug_skip_optimizer_step:
             self.optimizer.step()
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update(self.named_params)
         self.optimizer.zero_grad(set_to_none=True)
-        after = lora_full_state(self.model)
+        after = lora_full_state(self.models)
         update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
         n_batches = len(batches) * ctx.world
         return {
@@ -287,7 +307,8 @@ class Trainer:
                 if self.ctx.is_main:
                     record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
                     self.metrics.write(record)
-                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"),
+                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
+                                    kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
                                     diff=_show(record["model_output_max_abs_diff"], ".1e"),
                                     ratio=_show(record["policy_ratio_mean"], ".6f"))
             self.state.rollout += 1
@@ -310,7 +331,7 @@ class Trainer:
         """The rollout's grid; with an EMA also the EMA weights' grid (same prompts, seed and sampling), which the
         engine draws with the EMA swapped in, then the live weights back (the next rollout and parity need them)."""
         if self.ctx.is_main:
-            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png")
+            write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png", self.cfg.reward)
         if self.ema is None:
             return
         state = self.ema.full_state(self.dtype)  # a collective: every rank takes part
@@ -318,12 +339,12 @@ class Trainer:
             self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
             ema_rollout = self.engine.rollout(RolloutRequest(rollout.prompts, rollout.n_per_prompt, rollout.params,
                                                              rollout.seed, rollout.first_prompt))
-            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png")
+            write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png", self.cfg.reward)
         self._sync()
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self) -> None:
-        ckpt.save_training(self.family, self.out, self.ctx, self.model, self.optimizer, self.scheduler, self.ema,
+        ckpt.save_training(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler, self.ema,
                            self.lora_spec, self.state.step, self.state.rollout,
                            self.metrics.lines if self.metrics is not None else None, self.cfg.to_dict())
         self.saved_step = self.state.step

@@ -14,6 +14,9 @@ tests/test_families.py puts `tests/families` on `trueflow.models.__path__`, so t
 Its record differs from Qwen-Image's where a video family's would, so the generic code is shown not to assume an
 image family: the text stream is named `context` (mask `context_mask`), the token grid is (frames, rows, cols), and
 the timestep is per token (`[T, S]` in the schedule, `[B, S]` into the model).
+
+`tests/families/toy_moe` builds a second family from these pieces: two experts, batched CFG and a distilled guidance
+input (the model takes a timestep `[B]` or `[B, S]`, and with `guidance_embeds` a guidance scale `[B]`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from torch import nn
 from trueflow.checkpoints.random_init import init_weights_
 from trueflow.layers.linear import Linear
 from trueflow.models import weight_map
-from trueflow.models.spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
+from trueflow.models.cfg import rescaled_cfg
+from trueflow.models.spec import EngineSide, Guidance, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide
 from trueflow.patches import Patch, PatchGroup, set_on
 
 PIXELS_PER_TOKEN = 16
@@ -44,6 +48,7 @@ EPS = 1e-6
 MAX_TEXT_TOKENS = 512  # the text window (as Qwen-Image's, so the trainer's default sampling settings fit)
 SCHEDULER_CONFIG = {"_class_name": "ToyLinearSchedule", "num_train_timesteps": 1000}
 SIZES = {"tiny": {"in_channels": 8, "text_dim": 12, "num_heads": 2, "head_dim": 8, "num_layers": 2}}
+CONFIG_KEYS = (*SIZES["tiny"], "guidance_embeds")  # guidance_embeds: a distilled guidance input (toy_moe's)
 
 
 # -- the train side (diffusers-style) ---------------------------------------------------------------------------
@@ -93,32 +98,41 @@ class ToyBlock(nn.Module):
 class ToyDiT2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     @register_to_config
     def __init__(self, in_channels: int = 8, text_dim: int = 12, num_heads: int = 2, head_dim: int = 8,
-                 num_layers: int = 2):
+                 num_layers: int = 2, guidance_embeds: bool = False):
         super().__init__()
         dim = num_heads * head_dim
         self.proj_in, self.txt_in = nn.Linear(in_channels, dim), nn.Linear(text_dim, dim)
         self.time_in = nn.Linear(1, dim)
+        self.guidance_in = nn.Linear(1, dim) if guidance_embeds else None
         self.transformer_blocks = nn.ModuleList(ToyBlock(dim, num_heads) for _ in range(num_layers))
         self.proj_out = nn.Linear(dim, in_channels)
 
-    def forward(self, hidden_states, context, timestep, img_shapes=None, context_mask=None, return_dict=False):
+    def forward(self, hidden_states, context, timestep, img_shapes=None, context_mask=None, guidance=None,
+                return_dict=False):
         x, c = self.proj_in(hidden_states), self.txt_in(context)
-        temb = joint_temb(self.time_in(timestep[..., None]), c.shape[1])
+        temb = joint_temb(self.time_in(timestep[..., None]), self.guidance_in, guidance, c.shape[1], x.shape[1])
         h = torch.cat([c, x], dim=1)
         for block in self.transformer_blocks:
             h = block(h, temb)
         return (self.proj_out(h[:, c.shape[1]:]),)
 
 
-def joint_temb(temb: torch.Tensor, text_len: int) -> torch.Tensor:
-    """Per-token timestep embeddings `[B, S, D]` of the image tokens -> the joint sequence's: each text token takes
-    the first image token's."""
+def joint_temb(temb: torch.Tensor, guidance_in: nn.Module | None, guidance: torch.Tensor | None, text_len: int,
+               image_len: int) -> torch.Tensor:
+    """The timestep embeddings of the image tokens (`[B, S, D]`, or `[B, D]` for one timestep per sample), plus the
+    distilled guidance's (FluxPipeline's `guidance`, `[B]` fp32, taken in the model dtype) -> the joint sequence's
+    `[B, L + S, D]`: each text token takes the first image token's."""
+    if guidance_in is not None:
+        g = guidance_in(guidance.to(temb.dtype)[:, None])
+        temb = temb + (g[:, None] if temb.ndim == 3 else g)
+    if temb.ndim == 2:
+        temb = temb[:, None].expand(-1, image_len, -1)
     return torch.cat([temb[:, :1].expand(-1, text_len, -1), temb], dim=1)
 
 
 def train_forward(model, hidden_states, timestep, grid, cond):
     return model(hidden_states, cond["context"], timestep, img_shapes=[grid] * hidden_states.shape[0],
-                 context_mask=cond.get("context_mask"))[0]
+                 context_mask=cond.get("context_mask"), guidance=cond.get("guidance"))[0]
 
 
 # -- the engine side --------------------------------------------------------------------------------------------
@@ -163,19 +177,20 @@ class ToyEngine(nn.Module):
 
     def __init__(self, config: dict):
         super().__init__()
-        c = {k: config[k] for k in SIZES["tiny"]}
+        c = {k: config.get(k, False) for k in CONFIG_KEYS}
         self.config = c
         dim = c["num_heads"] * c["head_dim"]
         self.proj_in, self.txt_in = Linear(c["in_channels"], dim), Linear(c["text_dim"], dim)
         self.time_in = Linear(1, dim)
+        self.guidance_in = Linear(1, dim) if c["guidance_embeds"] else None
         self.transformer_blocks = nn.ModuleList(EngineBlock(dim, c["num_heads"]) for _ in range(c["num_layers"]))
         self.proj_out = Linear(dim, c["in_channels"])
         self.lora_merge = True
 
-    def forward(self, hidden_states, timestep, grid, context, context_mask=None):
+    def forward(self, hidden_states, timestep, grid, context, context_mask=None, guidance=None):
         x, c = self.proj_in(hidden_states), self.txt_in(context)
         t = timestep.to(x.dtype) / 1000 if self.exact_timestep else (timestep / 1000).to(x.dtype)
-        temb = joint_temb(self.time_in(t[..., None]), c.shape[1])
+        temb = joint_temb(self.time_in(t[..., None]), self.guidance_in, guidance, c.shape[1], x.shape[1])
         h = torch.cat([c, x], dim=1)
         for block in self.transformer_blocks:
             h = block(h, temb)
@@ -188,10 +203,10 @@ def build_model(config: dict, device="cpu", dtype: torch.dtype = torch.bfloat16)
     return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
 
 
-def make_group(train_backend: str = "native") -> PatchGroup:
+def make_group(train_backend: str = "native", name: str = "toy") -> PatchGroup:
     if train_backend != "native":
         raise ValueError(f"the toy engine reproduces only the `native` train backend, not {train_backend!r}")
-    return PatchGroup("toy", (
+    return PatchGroup(name, (
         Patch("layer_norm_add", "LayerNorm rounded to bf16 before the timestep is added, as the train side does",
               set_on(EngineBlock, "exact_norm_add", True)),
         Patch("timestep_dtype", "t.to(bf16) / 1000, as the train side receives it",
@@ -207,9 +222,10 @@ def transformer_config(size: str) -> dict:
     return dict(SIZES[size])
 
 
-def build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu") -> ToyDiT2DModel:
+def build_transformer(size_or_config, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
+                      cls: type = ToyDiT2DModel) -> ToyDiT2DModel:
     config = transformer_config(size_or_config) if isinstance(size_or_config, str) else dict(size_or_config)
-    model = ToyDiT2DModel(**{k: config[k] for k in SIZES["tiny"]})
+    model = cls(**{k: config[k] for k in CONFIG_KEYS if k in config})
     return init_weights_(model.to(device), seed, device).to(dtype).eval()
 
 
@@ -289,8 +305,8 @@ FAMILY = ModelFamily(
         build_model=build_model,
         load_weights=lambda model, state_dict: weight_map.load_weights(model, state_dict, weight_map.SAME_NAMES),
         parse_peft_state_dict=weight_map.parse_peft_state_dict,
-        set_lora=lambda model, lora, scale, merge: weight_map.set_lora(model, lora, scale, merge,
-                                                                      weight_map.SAME_NAMES),
+        set_lora=lambda model, lora, scale, merge, check_only=False: weight_map.set_lora(
+            model, lora, scale, merge, weight_map.SAME_NAMES, check_only),
         map_module_name=weight_map.SAME_NAMES.map_module_name,
         diffusers_module_name=weight_map.SAME_NAMES.diffusers_module_name,
         comparable_modules=(Linear, EngineAttention, EngineFeedForward, EngineBlock),
@@ -313,5 +329,5 @@ FAMILY = ModelFamily(
     ),
     presets=Presets(transformer_config=transformer_config, build_transformer=build_transformer,
                     write_checkpoint=write_checkpoint),
-    recipe={"steps": 4, "sampler": "sde", "noise_level": 0.7, "cfg_scale": 1.0},
+    guidance=Guidance("separate", rescaled_cfg),
 )

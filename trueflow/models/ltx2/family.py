@@ -10,8 +10,8 @@ connectors, the video VAE, diffusers' schedule and reference model, the checkpoi
 from __future__ import annotations
 
 from ...layers.linear import Linear
-from ...parallel.plan import TPPlan
-from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..spec import NO_GUIDANCE, EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..tp_plan import TPPlan
 from . import patches, weights
 from .latents import LATENT_DTYPE, PIXELS_PER_TOKEN, SIZE_REASON, latent_grid, noise_shape, pack_latents
 from .pipeline import model_output, probe_inputs
@@ -87,7 +87,7 @@ FAMILY = ModelFamily(
         build_transformer=lazy(f"{__package__}.presets", "build_transformer"),
         write_checkpoint=lazy(f"{__package__}.checkpoint", "write_checkpoint"),
     ),
-    # The public LTX-2.3 GRPO recipe's sampling (`presets.RECIPE`, recipes/ltx23.yaml has the rest).
-    recipe={"steps": 24, "sampler": "cps", "noise_level": 0.8, "cfg_scale": 1.0, "num_sde_steps": 3,
-            "sde_window": (0, 10), "height": 512, "width": 768, "num_frames": 57, "max_sequence_length": 1024},
+    # The engine runs the modality-isolated pass unguided (train.py); LTX2Pipeline's guidance (x0-space delta CFG on
+    # a batched forward, STG, modality guidance, rescale) is another computation, so `cfg_scale > 1` is refused.
+    guidance=NO_GUIDANCE,
 )

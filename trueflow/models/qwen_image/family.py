@@ -13,8 +13,9 @@ import torch
 from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
-from ...parallel.plan import TPPlan
-from ..spec import EngineSide, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..cfg import rescaled_cfg
+from ..spec import EngineSide, Guidance, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..tp_plan import TPPlan
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
 from .prompts import TOKENIZER_MAX_LENGTH, encode_prompts
@@ -113,7 +114,6 @@ FAMILY = ModelFamily(
         build_transformer=lazy(f"{__package__}.presets", "build_transformer"),
         write_checkpoint=lazy(f"{__package__}.checkpoint", "write_checkpoint"),
     ),
-    # QwenImagePipeline's defaults as the engine runs them (SamplingParams' defaults are these, for now).
-    recipe={"steps": 10, "sampler": "sde", "noise_level": 0.7, "cfg_scale": 4.0, "negative_prompt": " ",
-            "max_sequence_length": 512},
+    # QwenImagePipeline.__call__: two transformer calls (positive, then negative) per step, norm-rescaled true CFG.
+    guidance=Guidance("separate", rescaled_cfg),
 )
