@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -23,11 +25,13 @@ from test_server import assert_same_rollout
 from trueflow.collate import collate_cond
 from trueflow.engine.batcher import ForwardBatcher
 from trueflow.engine.engine import Engine
+from trueflow.engine.guidance import guide
 from trueflow.engine.interface import RolloutRequest
-from trueflow.engine.model_runner import ModelRunner
+from trueflow.engine.model_runner import ModelRunner, _branch
 from trueflow.engine.sampling_params import SamplingParams
 from trueflow.http import serve_in_thread
 from trueflow.kernels import batch_invariant as BI
+from trueflow.models.spec import Expert
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.placement.http import remote_rollout
 from trueflow.server import create_app
@@ -76,6 +80,10 @@ def run_train(probe, x, t, c, mode: bool) -> torch.Tensor:
     with torch.no_grad():
         return train_forward(probe.family, probe.train, x, probe.family.train.timestep(t, BF16), (1, x.shape[1]), c,
                              backend=BI.BACKEND if mode else None)
+
+
+def runner_of(engine, family) -> ModelRunner:
+    return ModelRunner([(Expert("transformer"), engine)], family, torch.device("cpu"), BF16, cuda_graphs=False)
 
 
 def stock(probe, engines, rows_engine, rows_train):
@@ -170,11 +178,22 @@ def test_cfg_branches_in_one_forward(qwen, bi_mode):
     pos, neg = cond(probe.family, [pos_text] * 4), cond(probe.family, [neg_text] * 4)
 
     def branches(engine, mode):
-        runner = ModelRunner(engine, probe.family, torch.device("cpu"), BF16, cuda_graphs=False)
+        runner = runner_of(engine, probe.family)
         assert runner.batch_invariant == mode
-        runner.batch_invariant = True  # outside the mode too: what one forward of both branches would give there
+        assert runner.guidance.branches == ("batched" if mode else "separate")  # Qwen-Image's own: separate
+        # outside the mode too: what one forward of both branches would give there
+        batched = replace(probe.family.guidance, branches="batched")
+        calls = []
+
+        def forward(**inputs):
+            calls.append(inputs["hidden_states"].shape[0])
+            return runner.forwards[0](**inputs)
+
         with torch.no_grad():
-            return torch.cat(runner._branches(x, t, (1, x.shape[1]), {}, pos, neg))
+            out = guide(batched, _branch(forward, (1, x.shape[1]), {}), x, t, pos, neg, 4.0,
+                        probe.family.pipeline.text_streams)
+        assert calls == [8], calls  # one forward of both branches' rows
+        return torch.cat([out.positive, out.negative])
 
     def separate(mode):
         return torch.cat([run_train(probe, x, t, pos, mode), run_train(probe, x, t, neg, mode)])
@@ -224,14 +243,15 @@ def test_rollouts_of_other_prompts_merged_into_one_forward(qwen, bi_mode):
     prompts = texts([6, 19], 50)
 
     def trajectories(engine, mode):
-        runner = ModelRunner(engine, probe.family, torch.device("cpu"), BF16, cuda_graphs=False)
+        runner = runner_of(engine, probe.family)
         alone = [denoise(runner, p, 100 + i, probe.family) for i, p in enumerate(prompts)]
         if mode:
             batcher = runner.merge_forwards()
         else:  # outside the mode the runner refuses to merge; the batcher itself shows what merging would give
             with pytest.raises(ValueError, match="needs the batch-invariant mode"):
                 runner.merge_forwards()
-            batcher = runner.forward = ForwardBatcher(engine, engine, probe.family.pipeline.text_streams)
+            batcher = ForwardBatcher([engine], [engine], probe.family.pipeline.text_streams)
+            runner.forwards = [partial(batcher, 0)]
         together = merged(runner, batcher, prompts, probe.family)
         assert batcher.merged_forwards == (2 if mode else 4)  # every step's (each branch's, outside the mode)
         return [torch.cat([mg.latents.flatten(), mg.log_probs.flatten(), mg.guided_outputs.flatten()])
