@@ -236,6 +236,43 @@ def merged(runner, batcher, prompts, family) -> list:
     return out
 
 
+def test_a_round_merges_only_calls_on_one_expert():
+    """Rollouts of a two-expert family at steps of different experts: a round runs one forward per expert (each caller
+    gets its own expert's output), and calls on one expert share a forward (rows in arrival order, cut back)."""
+    seen = []
+
+    def expert(k):
+        def forward(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_mask=None):
+            seen.append((k, hidden_states.shape[0]))
+            return hidden_states * (k + 2) + timestep[:, None, None]
+        return forward
+
+    batcher = ForwardBatcher([expert(0), expert(1)], [expert(0), expert(1)],
+                             {"encoder_hidden_states": "encoder_hidden_states_mask"})
+
+    def round_of(plan):
+        out, seen[:] = [None] * len(plan), []
+
+        def run(i, k):
+            with batcher.participant():
+                out[i] = batcher(k, hidden_states=torch.full((1, 2, 3), float(i + 1)), timestep=torch.zeros(1),
+                                 encoder_hidden_states=torch.ones(1, 4 + i, 5))
+
+        threads = [threading.Thread(target=run, args=(i, k)) for i, k in enumerate(plan)]
+        with batcher.participant():  # holds the turn until every caller is in, so they make one round
+            for th in threads:
+                th.start()
+            while batcher.members < len(plan) + 1:
+                threading.Event().wait(0.005)
+        for th in threads:
+            th.join()
+        return [float(o.flatten()[0]) for o in out], sorted(seen)
+
+    assert round_of([0, 1]) == ([2.0, 6.0], [(0, 1), (1, 1)])  # none merged across experts
+    assert round_of([1, 0, 1]) == ([3.0, 4.0, 9.0], [(0, 1), (1, 2)])  # expert 1's two callers share one forward
+    assert batcher.merged_forwards == 1
+
+
 def test_rollouts_of_other_prompts_merged_into_one_forward(qwen, bi_mode):
     """The server's merge at real width: two rollouts of prompts of other lengths, each step's forwards merged into
     one batch, give each rollout the trajectory it has alone (latents, log-probs, guided outputs)."""
