@@ -53,7 +53,8 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -349,7 +350,8 @@ class Baseline:
         pipe.transformer.set_attention_backend("_native_flash")
         self.pipe = pipe
         self.model = get_peft_model(pipe.transformer, LoraConfig(
-            r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian", target_modules=list(get_family("qwen_image").train.lora_targets)))
+            r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
+            target_modules=list(get_family("qwen_image").train.lora_targets)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         defaults = TrainConfig()  # the trueflow run's optimizer and clipping settings
         self.clip_range, self.adv_clip, self.max_grad_norm = (defaults.clip_range, defaults.adv_clip_max,
@@ -432,7 +434,8 @@ class Baseline:
             sigmas = g["sigmas"]
             for j, i in enumerate(g["steps"]):
                 x, t = g["latents"][j], g["timesteps"][i]
-                v = rescaled_cfg(self.branch(x, t, g["embeds"], g["mask"]), self.branch(x, t, g["neg"], g["neg_mask"]), CFG)
+                v = rescaled_cfg(self.branch(x, t, g["embeds"], g["mask"]),
+                                 self.branch(x, t, g["neg"], g["neg_mask"]), CFG)
                 log_prob, _, _ = sde_log_prob(g["next_latents"][j], x, v, sigmas[i], sigmas[i + 1], sigmas[1],
                                               NOISE_LEVEL)
                 ratio = torch.exp(log_prob - g["log_probs"][j])
@@ -476,7 +479,7 @@ def run_baseline(args: argparse.Namespace, ckpt: Path, clip_dir: Path, device: s
                            "time_sync": 0.0, "peak_gib_sync": None, "model_output_max_abs_diff": None})
 
         @contextmanager
-        def phase(name: str) -> Iterator[None]:
+        def phase(name: str, row: dict = row) -> Iterator[None]:  # the row of this rollout
             if cuda:
                 torch.cuda.synchronize()
             reset_peak(cuda)

@@ -48,7 +48,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -61,7 +61,7 @@ from trueflow.train.batch_invariant import register_backend
 from trueflow.engine.cuda_graph import GraphedForward
 from trueflow.engine.weights import build_engine_transformer
 from trueflow.models.qwen_image.patches import complex_fma
-from trueflow.patches import apply_patch_group, get_group
+from trueflow.models import apply_patch_group, get_group
 
 GOAL_SHAPE, GOAL_SPEEDUP = "1024x4", 1.2  # issue K: parity mode >= 1.2x diffusers `_native_flash` eager there
 BI_GOAL = 1.15  # issue N: the batch-invariant mode within 1.15x of parity mode's time at GOAL_SHAPE
@@ -287,7 +287,8 @@ def goal_lines(results: list[dict]) -> list[str]:
                          + (f", {eager:.2f}x diffusers _native_flash eager" if eager is not None else ""))
     slower = [f"{r['row']} at {r['shape']} vs {b}" for r in parity for b in BASELINES
               if r.get(f"speedup_vs_{b}", 1.0) < 1.0 and not r.get(f"tie_vs_{b}")]
-    lines.append("parity mode never slower than a diffusers row: " + ("yes" if not slower else "no: " + "; ".join(slower)))
+    lines.append("parity mode never slower than a diffusers row: "
+                 + ("yes" if not slower else "no: " + "; ".join(slower)))
     return lines
 
 
@@ -355,7 +356,8 @@ def main() -> int:
                   "device": torch.cuda.get_device_name() if bench.cuda else platform.processor(), "size": args.size,
                   "date": time.strftime("%Y-%m-%d"), "triton_kernels": kernels.ENABLED, "warmup": args.warmup,
                   "repeats": args.repeats, "disabled_patches": args.disable_patch,
-                  "batch_invariant_tiles": {"cpu_gemm_rows": BI.M_TILE, "cpu_attention_queries": BI.Q_TILE}, "cudnn_version": torch.backends.cudnn.version() if bench.cuda else None}
+                  "batch_invariant_tiles": {"cpu_gemm_rows": BI.M_TILE, "cpu_attention_queries": BI.Q_TILE},
+                  "cudnn_version": torch.backends.cudnn.version() if bench.cuda else None}
     if kernels.HAS_TRITON:
         import triton
 

@@ -76,8 +76,10 @@ def main() -> int:
     busy = sum(per_class.values())
     ceiling = gemm_ceiling_tflops() if device == "cuda" else float("nan")
     floor_ms = step_flops(config, res, batch) / (ceiling * 1e12) * 1e3
-    print(f"engine fast mode, one guided step at {a.shape}, eager under the profiler; wall {wall_ms:.1f} ms (unprofiled)")
-    print(f"kernel time {busy:.1f} ms; at the measured GEMM ceiling ({ceiling:.0f} TFLOP/s) the step's FLOPs take {floor_ms:.1f} ms")
+    print(f"engine fast mode, one guided step at {a.shape}, eager under the profiler; "
+          f"wall {wall_ms:.1f} ms (unprofiled)")
+    print(f"kernel time {busy:.1f} ms; at the measured GEMM ceiling ({ceiling:.0f} TFLOP/s) "
+          f"the step's FLOPs take {floor_ms:.1f} ms")
     print(f"\n{'class':10s} {'ms':>9s} {'% of kernel time':>17s}")
     for cls, ms in sorted(per_class.items(), key=lambda kv: -kv[1]):
         print(f"{cls:10s} {ms:9.2f} {100 * ms / busy:16.1f}%")

@@ -44,7 +44,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,7 @@ from trueflow.models.cfg import rescaled_cfg
 from trueflow.engine.samplers import sde_step
 from trueflow.models.qwen_image.train import model_timestep
 from trueflow.engine.weights import build_engine_transformer
-from trueflow.patches import apply_patch_group
+from trueflow.models import apply_patch_group
 
 SHAPES = {"512x1": (512, 1), "512x8": (512, 8), "1024x1": (1024, 1), "1024x4": (1024, 4)}
 ROWS: dict[str, tuple[str, ...] | None] = {  # row -> the shapes it runs at (None: all)

@@ -39,7 +39,7 @@ import statistics
 import time
 import traceback
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -217,7 +217,8 @@ def random_lora(config: dict, rank: int, device: str, seed: int) -> dict[str, to
 
     out = {}
     for name, mod in meta.named_modules():
-        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in FAMILY.train.lora_targets):
+        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t)
+                                                    for t in FAMILY.train.lora_targets):
             out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = randn(rank, mod.in_features), randn(
                 mod.out_features, rank)
     return out
@@ -294,7 +295,8 @@ def main() -> int:
         for mode in ("unmerged", "merged"):
             if f"lora_{mode}" in wanted:
                 packer = BucketPacker()
-                rows.append(timed_rows(f"lora_{mode}", lambda i: sync_lora(engine, packer, loras[i % 2], mode, device),
+                rows.append(timed_rows(f"lora_{mode}", lambda i, packer=packer, mode=mode:
+                                       sync_lora(engine, packer, loras[i % 2], mode, device),
                                        lambda i: expected[i % 2], nbytes, args.repeats, {"tensors": len(loras[0])}))
     finally:
         with open(args.out, "w") as f:

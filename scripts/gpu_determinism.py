@@ -107,8 +107,8 @@ def main() -> int:
         init_checkpoint(ckpt, size="full", overwrite=True, dtype=torch.bfloat16, device=DEVICE)
         torch.cuda.empty_cache()
     else:
-        subprocess.run([sys.executable, "-m", "trueflow", "init-checkpoint", "--size", a.size, "--output-dir", str(ckpt),
-                        "--overwrite"], check=True)
+        subprocess.run([sys.executable, "-m", "trueflow", "init-checkpoint", "--size", a.size,
+                        "--output-dir", str(ckpt), "--overwrite"], check=True)
     secs = {"checkpoint": time.perf_counter() - t0}
     runs = (("plain_1", ()), ("plain_2", ()))[:0 if a.only_deterministic else 2] + (("det_1", ("--deterministic",)),)
     for name, extra in runs:

@@ -38,7 +38,8 @@ import torch
 
 from trueflow.engine.cuda_graph import GraphedForward, capture
 from trueflow.engine.samplers import sde_step
-from trueflow.engine.weights import build_engine_transformer, update_lora
+from trueflow.engine.weights import build_engine_transformer
+from trueflow.models.lora import update_lora
 from trueflow.models import get_family
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.train.model import train_forward

@@ -138,7 +138,7 @@ def full(device: str, size: str, frames_list: list[int], height: int, width: int
         speed[k] = {"median_s": med, "min_s": min(v), "max_s": max(v), "speedup_vs_diffusers": base / med}
         print(f"    {k:14s} median {med * 1e3:8.1f} ms  (min {min(v) * 1e3:.1f}, max {max(v) * 1e3:.1f})  "
               f"{base / med:.2f}x diffusers")
-    del fast
+    fast = None  # frees the fast engine before the ablation (the lambdas read `fast` only when called above)
     ablation = []
     if ablate:
         probe.set_inputs(video_inputs(probe.config, 4, 128, height, width, frames_list[0], 0, device))

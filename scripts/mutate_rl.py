@@ -66,6 +66,19 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("nft: forward process reversed", RL + "nft.py", "(1 - tt) * x0.float() + tt * noise.float()",
      "tt * x0.float() + (1 - tt) * noise.float()"),
     ("nft: optimality offset", RL + "nft.py", "0.5 + 0.5 * (advantages", "0.5 * (advantages"),
+    ("decoupled: truncation from below", RL + "decoupled.py", "torch.clamp(ratio, max=cap)",
+     "torch.clamp(ratio, min=cap)"),
+    ("decoupled: weight inverted", RL + "decoupled.py",
+     "proximal_log_prob.detach().float() - behaviour_log_prob.float()",
+     "behaviour_log_prob.float() - proximal_log_prob.detach().float()"),
+    ("decoupled: weight with gradient", RL + "decoupled.py", "torch.exp(proximal_log_prob.detach().float()",
+     "torch.exp(proximal_log_prob.float()"),
+    ("decoupled: weight dropped", RL + "decoupled.py", "clipped_surrogate(ratio, advantages, clip_range, w)",
+     "clipped_surrogate(ratio, advantages, clip_range, weight)"),
+    ("decoupled: pair weight dropped", RL + "decoupled.py", "else is_weight.detach() * weight",
+     "else is_weight.detach()"),
+    ("decoupled: proximal not held fixed", RL + "decoupled.py", "torch.exp(log_prob - log_prob.detach())",
+     "torch.exp(log_prob - log_prob)"),
 ]
 
 

@@ -26,6 +26,10 @@ def main() -> int:
     a = ap.parse_args()
     d = Path(a.probe_dir)
     m = json.loads((d / "manifest.json").read_text())
+    if m.get("family", "qwen_image") != "qwen_image":  # each other family's outside check is its snapshot replay
+        print(f"this script reruns Qwen-Image probes; {m['family']}'s outside check is its snapshot replay script "
+              "(docs/snapshot.md)", file=sys.stderr)
+        return 2
     if m["checkpoint"] is None and a.checkpoint is None:
         sys.exit("this probe used in-memory random weights; only checkpoint probes can be rerun from disk")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[m["dtype"]]

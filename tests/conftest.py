@@ -107,6 +107,14 @@ def ltx2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sd3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny SD3.5 pipeline folder (seed 0, fp32), written once and shared read-only."""
+    from trueflow.checkpoints import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("sd3") / "tiny", family="sd3")
+
+
+@pytest.fixture(scope="session")
 def flux_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ONE tiny FLUX.1-dev pipeline folder (seed 0, fp32), written once and shared read-only."""
     from trueflow.checkpoints import init_checkpoint
@@ -130,7 +138,8 @@ def write_transformer_checkpoint(dst: Path, config: dict, seed: int = 0) -> Path
     """A checkpoint folder holding only transformer/ (diffusers' save_pretrained of a seeded random model)."""
     from trueflow.models import family_for_config
 
-    family_for_config(config).presets.build_transformer(config, seed=seed).save_pretrained(dst / "transformer", safe_serialization=True)
+    family_for_config(config).presets.build_transformer(config, seed=seed).save_pretrained(dst / "transformer",
+                                                                                          safe_serialization=True)
     return dst
 
 
@@ -145,7 +154,8 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
     """Bits equal: same dtype, same shape, torch.equal (the diff is only reported for the failure message)."""
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.equal(actual, expected), f"{what}: not bitwise equal, max abs diff {max_abs_diff(actual, expected):.3e}"
+    assert torch.equal(actual, expected), \
+        f"{what}: not bitwise equal, max abs diff {max_abs_diff(actual, expected):.3e}"
 
 
 def assert_differs(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from trueflow.train.config import TrainConfig, config_from_argv, resume_changes
 from trueflow.train.metrics import read_metrics
-from trueflow.train.schedule import LoraEMA
+from trueflow.train.schedule import WeightsEMA
 from test_train import FAST, comparable, train
 
 MISMATCH = ("model_output_max_abs_diff", "model_output_mean_abs_diff", "log_prob_max_abs_diff", "ratio_mean",
@@ -56,7 +56,7 @@ def snapshot_pairs(run) -> list[dict]:
     pairs = []
     for m, mg in enumerate(meta["microgroups"]):
         sigmas = tensors[f"mg{m}/sigmas"].double()
-        for slot, t in enumerate(mg["sde_steps"]):
+        for t in mg["sde_steps"]:
             for i, sample in enumerate(mg["sample_indices"]):
                 pairs.append({"sample": sample, "sigma": sigmas[t].item(), "dt": (sigmas[t + 1] - sigmas[t]).item(),
                               "x_t": tensors[f"mg{m}/step{t}/latents"][i].double(),
@@ -203,7 +203,7 @@ def test_ema_of_a_constant_update_is_the_closed_form():
     d, k = 0.9, 7
     theta = {"w": torch.nn.Parameter(torch.tensor([1.0, -2.0]))}
     u = torch.tensor([0.5, 0.25])
-    ema = LoraEMA(theta, d)
+    ema = WeightsEMA(theta, d)
     for _ in range(k):
         with torch.no_grad():
             theta["w"].add_(u)

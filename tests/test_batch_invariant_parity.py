@@ -427,3 +427,12 @@ def test_server_merges_two_clients_rollouts(tiny_engine, bi_mode):
     assert merged_forwards > 0, "the two rollouts never shared a forward"
     for got, want in zip(answers, alone):
         assert_same_rollout(got, want)
+
+
+def test_a_family_the_mode_is_not_tested_on_is_refused_in_one_line():
+    from trueflow.patches import batch_invariant_group
+
+    assert batch_invariant_group("flux") == f"flux:{BI.BACKEND}"
+    with pytest.raises(ValueError, match=r"^--batch-invariant is not verified for sd3 \(tested: qwen_image, ltx2, "
+                                         r"flux\): drop --batch-invariant$"):
+        batch_invariant_group("sd3")

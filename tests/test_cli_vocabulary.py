@@ -131,4 +131,5 @@ def test_an_old_name_still_parses_hidden_and_warns_once(verb, old, new, monkeypa
 def test_serve_seed_is_one_meaning_random_seed():
     """serve's --seed fixes the seed of requests that name none; unset, each draws its own (as `seed` says)."""
     p = verb_parsers(build_parser("serve"))["serve"]
-    assert p.parse_args(["--checkpoint", "x"]).seed is None and p.parse_args(["--checkpoint", "x", "--seed", "3"]).seed == 3
+    assert p.parse_args(["--checkpoint", "x"]).seed is None
+    assert p.parse_args(["--checkpoint", "x", "--seed", "3"]).seed == 3

@@ -20,7 +20,8 @@ FLAT_FLAGS = {
     "--rollout-batch-size": ("3", 3), "--n-samples-per-prompt": ("8", 8), "--rollout-microgroup-size": ("2", 2),
     "--steps": ("9", 9), "--sampler": ("cps", "cps"), "--noise-level": ("1.2", 1.2), "--num-sde-steps": ("3", 3),
     "--sde-window": ("1,5", (1, 5)), "--cfg-scale": ("2.5", 2.5), "--negative-prompt": ("blurry", "blurry"),
-    "--resolution": ("128", 128), "--rollout-patch-group": ("qwen_image", "qwen_image"), "--disable-patch": ("rms_norm", ["rms_norm"]),
+    "--resolution": ("128", 128), "--rollout-patch-group": ("qwen_image", "qwen_image"),
+    "--disable-patch": ("rms_norm", ["rms_norm"]),
     "--lora-merge-mode": ("merged", "merged"), "--micro-batch-size-sample": ("2", 2),
     "--micro-batch-size-tstep": ("2", 2), "--train-dp-split-mode": ("stride", "stride"),
     "--fsdp-attention-backend": ("native", "native"), "--pad-text-to": ("64", 64), "--lora-rank": ("16", 16),
@@ -28,7 +29,8 @@ FLAT_FLAGS = {
     "--weight-decay": ("0.1", 0.1), "--max-grad-norm": ("0.5", 0.5), "--clip-range": ("0.2", 0.2),
     "--adv-clip-max": ("3", 3.0), "--kl-beta": ("0.04", 0.04), "--reward": ("pickscore", "pickscore"),
     "--reward-model": ("/models/ps", "/models/ps"), "--reward-placement": ("engine", "engine"),
-    "--reward-on-error": ("skip", "skip"), "--seed": ("5", 5), "--dtype": ("fp32", "fp32"), "--device": ("cuda", "cuda"),
+    "--reward-on-error": ("skip", "skip"), "--seed": ("5", 5), "--dtype": ("fp32", "fp32"),
+    "--device": ("cuda", "cuda"),
     "--save-every": ("4", 4), "--sample-every": ("2", 2),
 }
 FLAT_SWITCHES = ["--gradient-checkpointing", "--global-std", "--engine-process", "--debug",
@@ -116,7 +118,8 @@ def test_flags_override_the_file(tmp_path):
 
 def test_a_flat_file_still_loads_with_a_warning(tmp_path):
     (tmp_path / "flat.yaml").write_text(FLAT_RECIPE)
-    with pytest.warns(FlatConfigWarning, match="flat settings file.*rollout_microgroup_size -> rollout.microgroup_size"):
+    with pytest.warns(FlatConfigWarning,
+                      match="flat settings file.*rollout_microgroup_size -> rollout.microgroup_size"):
         flat = config_from_argv(["--config", str(tmp_path / "flat.yaml")])
     sectioned = config_from_argv(["--config", "recipes/bitwise-aligned.yaml"])
     assert flat == sectioned

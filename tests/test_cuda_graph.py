@@ -8,7 +8,8 @@ import torch
 
 from conftest import BF16, assert_bitwise, randn
 from trueflow.engine.cuda_graph import GraphedForward, LoraState
-from trueflow.engine.weights import build_engine_transformer, update_lora
+from trueflow.engine.weights import build_engine_transformer
+from trueflow.models.lora import update_lora
 from trueflow.models.qwen_image.weights import load_weights
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

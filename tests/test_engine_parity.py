@@ -10,7 +10,8 @@ import torch
 
 from conftest import LoraMasters, assert_bitwise, assert_differs, engine_forward, train_forward, \
     write_transformer_checkpoint
-from trueflow.engine.weights import build_engine_transformer, update_lora
+from trueflow.engine.weights import build_engine_transformer
+from trueflow.models.lora import update_lora
 from trueflow.models.qwen_image.presets import transformer_config
 from trueflow.models.qwen_image.patches import GROUP
 from trueflow.parity.probe import ParityProbe, ProbeSpec

@@ -287,16 +287,16 @@ def test_weights_checksum_tracks_weights_and_lora(tiny_checkpoint, fast):
     assert base == engine.weights_checksum() == fast.weights_checksum()  # patches change no weight
     lora = {"transformer_blocks.0.attn.to_q.lora_A.weight": randn((4, 64), 0, std=0.1),
             "transformer_blocks.0.attn.to_q.lora_B.weight": randn((64, 4), 1, std=0.1)}
-    engine.update_lora(lora, scale=1.0)
+    engine.update_weights(lora, lora_scale=1.0)
     with_lora = engine.weights_checksum()
     assert with_lora != base
-    engine.update_lora(lora, scale=0.5)
+    engine.update_weights(lora, lora_scale=0.5)
     assert engine.weights_checksum() not in (base, with_lora)
     state = read_transformer_state_dict(tiny_checkpoint)
-    engine.load_weights(state)  # drops the LoRA
+    engine.update_weights(state)  # drops the LoRA
     assert engine.weights_checksum() == base
     state["proj_out.bias"][0] += 1
-    engine.load_weights(state)
+    engine.update_weights(state)
     assert engine.weights_checksum() != base
 
 

@@ -92,7 +92,8 @@ def test_fake_family_runs_parity_through_the_generic_code(toy_family, tmp_path, 
     assert family_for_checkpoint(ckpt) is toy_family
 
     rc, out, _ = _run(capsys, "patches", "--patch-group", "toy")
-    assert rc == 0 and [line.split()[0] for line in out.splitlines()] == ["layer_norm_add", "timestep_dtype", "lora_unmerged"]
+    assert rc == 0
+    assert [line.split()[0] for line in out.splitlines()] == ["layer_norm_add", "timestep_dtype", "lora_unmerged"]
 
     def parity(group: str, *extra: str) -> dict:
         rc, out, err = _run(capsys, "parity", "--checkpoint", str(ckpt), "--patch-group", group, "--batch", "2",

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from trueflow.cli import main
-from trueflow.models import get_family
-from trueflow.patches import get_group
+from trueflow.models import get_family, get_group
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -46,7 +46,7 @@ def closed_after(sock: socket.socket, drip: bytes = b"", every: float = 0.1, lim
         try:
             if sock.recv(65536) == b"":
                 return time.monotonic() - start
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             return time.monotonic() - start

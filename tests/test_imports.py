@@ -1,12 +1,14 @@
 """The engine stands alone: its code imports nothing from diffusers' models, and its model files do no file I/O
 (models stay free of I/O; `trueflow.loading` reads the files). Model families are values: no module outside a
-family's folder imports it (generic code takes a `ModelFamily` from the registry)."""
+family's folder imports it (generic code takes a `ModelFamily` from the registry). The packages are layered (`LAYERS`,
+docs/architecture.md) and import each other in no cycle."""
 
 from __future__ import annotations
 
 import ast
 import io
 import json
+import re
 import subprocess
 import sys
 import tokenize
@@ -25,27 +27,33 @@ FAMILIES = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/family.py"
 # CFG are the engine's own).
 DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qwen_image/schedule.py",
                         "trueflow/models/ltx2/vae.py", "trueflow/models/ltx2/schedule.py",
+                        "trueflow/models/sd3/vae.py", "trueflow/models/sd3/schedule.py",
                         "trueflow/models/flux/vae.py", "trueflow/models/flux/schedule.py"}
 # A family's train side in its folder: diffusers' reference model built from a preset, and the checkpoint writer.
 # The engine never imports them (the closure test), only the family spec's functions do, when called.
 TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py",
                     "trueflow/models/ltx2/presets.py", "trueflow/models/ltx2/checkpoint.py",
+                    "trueflow/models/sd3/presets.py", "trueflow/models/sd3/checkpoint.py",
                     "trueflow/models/flux/presets.py", "trueflow/models/flux/checkpoint.py"}
 NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
                "trueflow/models/qwen_image/patches.py", "trueflow/models/qwen_image/latents.py",
                "trueflow/models/qwen_image/train.py", "trueflow/models/weight_map.py",
-               *(f"trueflow/models/flux/{f}.py" for f in ("transformer", "weights", "patches", "latents", "train",
-                                                          "pipeline")), *sorted(
+               *(f"trueflow/models/{family}/{f}.py" for family in ("sd3", "flux")
+                 for f in ("transformer", "weights", "patches", "latents", "train", "pipeline")), *sorted(
                    str(p.relative_to(ROOT)) for p in (PACKAGE / "layers").glob("*.py"))]
 # Runtime check: these engine modules, imported alone, must not load diffusers' models.
 ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwen_image.weights",
                   "trueflow.models.qwen_image.patches", "trueflow.models.qwen_image.family", "trueflow.models",
+                  "trueflow.models.sd3.transformer", "trueflow.models.sd3.weights", "trueflow.models.sd3.patches",
+                  "trueflow.models.sd3.family",
                   "trueflow.models.flux.transformer", "trueflow.models.flux.weights", "trueflow.models.flux.patches",
                   "trueflow.models.flux.family",
                   "trueflow.models.weight_map",
-                  "trueflow.engine.weights", "trueflow.engine.sampling_params", "trueflow.engine.model_runner",
+                  "trueflow.engine.weights", "trueflow.models.lora", "trueflow.engine.sampling_params",
+                  "trueflow.engine.model_runner",
                   "trueflow.patches",
-                  *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py") if p.stem != "__init__")]
+                  *sorted(f"trueflow.layers.{p.stem}" for p in (PACKAGE / "layers").glob("*.py")
+                          if p.stem != "__init__")]
 
 
 def _py_files(*dirs: str) -> list[str]:
@@ -115,7 +123,8 @@ def test_engine_code_imports_no_diffusers_models():
     # the named exceptions really are diffusers-side (if one stops being so, shrink the list); the schedule imports
     # a diffusers pipeline module, which loads diffusers' models when imported
     for rel in allowed:
-        assert _diffusers_model_imports(rel) or any(m.startswith("diffusers.pipelines.") for m, _, _ in _imports(rel)), rel
+        assert _diffusers_model_imports(rel) or any(m.startswith("diffusers.pipelines.")
+                                                    for m, _, _ in _imports(rel)), rel
 
 
 def _trueflow_closure(roots: list[str]) -> set[str]:
@@ -179,7 +188,8 @@ def _family_of(rel: str) -> str | None:
 
 def test_no_module_outside_a_family_imports_it():
     assert FAMILIES and "qwen_image" in FAMILIES
-    bad = [b for rel in _py_files("trueflow") for b in _family_imports(rel) if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
+    bad = [b for rel in _py_files("trueflow") for b in _family_imports(rel)
+           if _family_of(rel) is None or f"trueflow.models.{_family_of(rel)}" not in b]
     assert not bad, "\n".join(bad)
 
 
@@ -206,6 +216,120 @@ def test_engine_modules_load_no_diffusers_models_at_runtime():
     assert not [m for m in loaded if m == "diffusers.models" or m.startswith("diffusers.models.")], loaded
 
 
+# -- layering: which package imports which -------------------------------------------------------------------
+# (a, b): package a imports b, and b never imports a, directly or through other packages. No exceptions.
+LAYERS = (("models", "layers"), ("engine", "models"), ("engine", "sync"), ("placement", "engine"),
+          ("placement", "rewards"), ("server", "placement"), ("train", "placement"), ("ray", "train"))
+_MODULE_NAME = re.compile(r"trueflow(\.\w+)+(:[\w.]+)?")  # "trueflow.placement.local:local_engine"
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """package -> package it imports -> "file:line" of each such import, over every module of trueflow.
+
+    A package is a top-level unit of trueflow: `trueflow/engine/...` is `engine`, `trueflow/patches.py` is
+    `patches`. What counts as an import: every `import` / `from ... import` statement of a module, wherever it
+    stands (module level, inside a function or a class, under `if TYPE_CHECKING:`), relative ones resolved and
+    `from trueflow import kernels` read as an import of `kernels`; and a string constant that is a trueflow module
+    name (`"trueflow.placement.local:local_engine"`, how a registry names what it imports lazily). Not counted:
+    `import trueflow` itself (the root holds only the version), and names built at run time (the family registry's
+    `importlib` calls, which stay inside their own package)."""
+    units = {p.stem if p.suffix == ".py" else p.name for p in (ROOT / "trueflow").iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    graph: dict[str, dict[str, list[str]]] = {u: {} for u in units}
+    for rel in _py_files("trueflow"):
+        unit = Path(Path(rel).parts[1]).stem
+        targets = [(t, line) for mod, names, line in _imports(rel) for t in [mod, *(f"{mod}.{n}" for n in names)]]
+        tree = ast.parse((ROOT / rel).read_text())
+        targets += [(node.value.partition(":")[0], node.lineno) for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and _MODULE_NAME.fullmatch(node.value)]
+        for target, line in targets:
+            tparts = target.split(".")
+            if tparts[0] == "trueflow" and len(tparts) > 1 and tparts[1] in units and tparts[1] != unit:
+                graph[unit].setdefault(tparts[1], []).append(f"{rel}:{line}")
+    return graph
+
+
+def _path(graph: dict[str, dict[str, list[str]]], start: str, goal: str) -> list[str] | None:
+    """The packages of one import chain start -> ... -> goal, or None."""
+    seen, todo = {start}, [[start]]
+    while todo:
+        chain = todo.pop(0)
+        for nxt in sorted(graph.get(chain[-1], {})):
+            if nxt == goal:
+                return chain + [nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(chain + [nxt])
+    return None
+
+
+def _chain(graph: dict[str, dict[str, list[str]]], chain: list[str]) -> str:
+    where = "; ".join(f"{a} -> {b} at {graph[a][b][0]}" for a, b in zip(chain, chain[1:]))
+    return f"{' -> '.join(chain)} ({where})"
+
+
+def layering_problems(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Every import against `LAYERS` (b reaching a), and every cycle between packages, each with its import lines."""
+    bad = []
+    for a, b in LAYERS:
+        chain = _path(graph, b, a)
+        if chain:
+            bad.append(f"{b} imports {a}, against the layering {a} -> {b}: {_chain(graph, chain)}")
+    cycles = set()
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            back = _path(graph, b, a)
+            if back and frozenset(back) not in cycles:
+                cycles.add(frozenset(back))
+                bad.append(f"import cycle: {_chain(graph, [a, *back])}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def real_graph() -> dict[str, dict[str, list[str]]]:
+    return package_graph()
+
+
+def test_packages_are_layered_and_import_no_cycle(real_graph):
+    graph = real_graph
+    missing = [f"{a} -> {b}" for a, b in LAYERS if b not in graph[a]]
+    assert not missing, f"a rule names no real import (drop or fix it): {missing}"
+    bad = layering_problems(graph)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("planted", [*((b, a) for a, b in LAYERS), ("files", "net", "files")], ids="->".join)
+def test_layering_check_catches_a_planted_import(real_graph, planted):
+    """The check itself: each reversed rule, and a cycle between two packages no rule names, planted into the real
+    graph, is reported."""
+    graph = {a: {b: list(lines) for b, lines in edges.items()} for a, edges in real_graph.items()}
+    for a, b in zip(planted, planted[1:]):
+        graph[a].setdefault(b, []).append("planted.py:1")
+    bad = layering_problems(graph)
+    assert any("planted.py:1" in line for line in bad), bad
+
+
+def test_layering_graph_sees_every_import_form(tmp_path, monkeypatch):
+    """A function-level import, one under TYPE_CHECKING, a relative one, `from trueflow import x` and a registry's
+    module-name string all make an edge."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    for pkg in ("layers", "models", "engine", "sync", "kernels", "net", "files"):
+        (tmp_path / "trueflow" / pkg).mkdir(parents=True)
+        (tmp_path / "trueflow" / pkg / "__init__.py").write_text("")
+    forms = {"models": "def f():\n    from ..engine import x\n",
+             "sync": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trueflow.engine.y import Z\n",
+             "layers": "from .. import models\n", "kernels": "from trueflow import net\n",
+             "net": "REGISTRY = {'a': 'trueflow.files.io:read'}\n"}
+    for pkg, text in forms.items():
+        (tmp_path / "trueflow" / pkg / "m.py").write_text(text)
+    graph = package_graph()
+    assert {(a, b) for a in graph for b in graph[a]} == {("models", "engine"), ("sync", "engine"),
+                                                         ("layers", "models"), ("kernels", "net"), ("net", "files")}
+    assert {line.split(",")[0] for line in layering_problems(graph)} == {  # each one's reversed rule
+        "layers imports models", "models imports engine", "sync imports engine"}
+
+
 # -- no file I/O in the engine's model files -----------------------------------------------------------------
 IO_MODULES = {"safetensors", "pathlib", "os", "io", "json", "pickle", "shutil", "tempfile", "glob", "trueflow.loading"}
 
@@ -224,11 +348,12 @@ def test_model_files_do_no_file_io(rel):
     bad = []
     for a, b in zip(toks, toks[1:] + [None]):
         followed_by_call = b is not None and b.string == "("
-        if a.type == tokenize.NAME and ((a.string in ("open", "Path") and followed_by_call) or "safetensors" in a.string):
+        if a.type == tokenize.NAME and ((a.string in ("open", "Path") and followed_by_call)
+                                        or "safetensors" in a.string):
             bad.append(f"{rel}:{a.start[0]}: {a.line.strip()}")
         if a.type == tokenize.NAME and a.string in ("load", "save") and followed_by_call:  # torch.load / torch.save
             bad.append(f"{rel}:{a.start[0]}: {a.line.strip()}")
-    for mod, names, line in _imports(rel):
+    for mod, _, line in _imports(rel):
         if mod.split(".")[0] in IO_MODULES or mod in IO_MODULES:
             bad.append(f"{rel}:{line}: import {mod}")
     assert not bad, "\n".join(bad)

@@ -62,8 +62,27 @@ def test_registry_names_and_refusals():
         assert str(err.value) == f"unknown attention backend 'native'; choose one of {', '.join(A.KERNELS)}"
     with pytest.raises(ValueError, match="'flash' is registered already"):
         A.register("flash")(lambda q, k, v, mask: q)
-    assert [n for n, kern in A.KERNELS.items() if kern.heads_major] == ["cudnn"]
+    assert [n for n, kern in A.KERNELS.items() if kern.heads_major] == ["sdpa_heads_major", "cudnn"]
     assert {n for n, kern in A.KERNELS.items() if kern.cuda_only} == {"cudnn", "efficient"}
+
+
+def test_sdpa_heads_major_is_sdpas_choice_on_contiguous_heads_major_tensors(monkeypatch):
+    """What a processor that `torch.cat`s its streams' [B, H, S, D] views hands SDPA itself (SD3's): contiguous
+    heads-major q/k/v, PyTorch's kernel choice; `joint_buffer` lays them out so, and the result is the written-out
+    call's."""
+    q, k, v = qkv(7)
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        seen.append(all(t.is_contiguous() for t in (query, key, value)))
+        return real_sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    assert_bitwise(A.attention(q, k, v, None, "sdpa_heads_major"), direct(q, k, v, None, None, contiguous=True),
+                   "sdpa_heads_major vs SDPA")
+    buffer = A.joint_buffer(q[:, :3], q[:, 3:], "sdpa_heads_major")
+    assert buffer.permute(0, 2, 1, 3).is_contiguous() and seen == [True, True]
 
 
 CPU_KERNELS = [("sdpa", None, "native"), ("math", SDPBackend.MATH, "_native_math"),
@@ -348,5 +367,5 @@ def test_triton_only_for_b_d_rows(monkeypatch):
                 call()
         else:
             call()
-    for name, call in modulation_calls(shift[:, None], scale[:, None], gate[:, None], x, y).items():
+    for call in modulation_calls(shift[:, None], scale[:, None], gate[:, None], x, y).values():
         call()  # no kernel reached

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from conftest import BF16, assert_bitwise, assert_differs, copy_transformer, engine_forward, randn
 from trueflow import loading
 from trueflow.cli import main
-from trueflow.engine.weights import load_engine_transformer, update_lora
+from trueflow.engine.weights import load_engine_transformer
+from trueflow.models.lora import update_lora
 from trueflow.layers.linear import Linear
 from trueflow.loading import CheckpointError
 from trueflow.models.qwen_image.presets import build_transformer, transformer_config

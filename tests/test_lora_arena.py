@@ -15,7 +15,7 @@ from conftest import BF16, assert_bitwise
 from test_lora_sync import adapter_tensors, forward, parity_engine, peft_lora
 from trueflow.engine import lora_arena
 from trueflow.engine.lora_arena import lora_checksum, update_lora_packed
-from trueflow.engine.weights import lora_state, update_lora
+from trueflow.models.lora import lora_state, update_lora
 from trueflow.sync.buckets import BucketPacker, pack
 from trueflow.sync.checksum import tensors_checksum
 
@@ -26,13 +26,13 @@ RANK = 4
 def general_calls(monkeypatch) -> list:
     """Counts the general path's installs made on the way through `update_lora_packed`."""
     calls = []
-    real = lora_arena.weights.update_lora
+    real = lora_arena.lora.update_lora
 
     def counted(*args, **kwargs):
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lora_arena.weights, "update_lora", counted)
+    monkeypatch.setattr(lora_arena.lora, "update_lora", counted)
     return calls
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import BF16, assert_bitwise, randn
-from trueflow.engine.weights import build_engine_transformer, update_lora
+from trueflow.engine.weights import build_engine_transformer
+from trueflow.models.lora import update_lora
 from trueflow.layers.linear import Linear
 from trueflow.sync import checksum
 from trueflow.sync.buckets import Bucket, pack

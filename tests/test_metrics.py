@@ -143,17 +143,17 @@ def test_tensorboard_missing_is_one_line_with_the_fix(tmp_path, monkeypatch):
 
 
 def test_every_record_has_an_iso_timestamp_that_run_comparisons_leave_out():
-    from datetime import datetime, timedelta, timezone
+    from datetime import UTC, datetime, timedelta
 
     import torch
 
     from trueflow.train.metrics import TIMING_KEYS, step_record
 
     sync = {"checksums_equal": True, "trainer_checksum": "a", "engine_checksum": "a", "time_sync": 0.1}
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     record = step_record(1, 0, 0, torch.tensor([0.5]), 0, {"loss": 0.0}, sync, {"time_rollout": 1.0}, 2.0)
     stamp = datetime.fromisoformat(record["timestamp"])
-    assert stamp.utcoffset() == timedelta(0) and before - timedelta(seconds=1) <= stamp <= datetime.now(timezone.utc)
+    assert stamp.utcoffset() == timedelta(0) and before - timedelta(seconds=1) <= stamp <= datetime.now(UTC)
     # a wall-clock key like the phase times: left out where two runs' records are compared, and nothing else is
     assert "timestamp" in TIMING_KEYS and all(k.startswith("time") for k in TIMING_KEYS)
     assert set(record) - set(TIMING_KEYS) >= {"step", "reward_mean", "loss", "checksums_equal"}

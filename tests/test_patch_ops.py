@@ -52,7 +52,7 @@ from trueflow.models.qwen_image.transformer import (
     build_model,
     timestep_proj_fused,
 )
-from trueflow.patches import apply_patch_group
+from trueflow.models import apply_patch_group
 
 # [batch, sequence, hidden]: one sample and a microgroup, a short and a long text, tiny and real width.
 SHAPES = [(1, 7, 64), (4, 33, 64), (1, 7, 3072), (4, 33, 3072)]
@@ -306,10 +306,10 @@ def _linears(d: int, n: int, seed: int) -> list[nn.Linear]:
 
 def _packed(linears: list[nn.Linear]) -> Linear:
     d = linears[0].in_features
-    packed = Linear(d, d * len(linears), splits=tuple(l.out_features for l in linears)).to(BF16)
+    packed = Linear(d, d * len(linears), splits=tuple(m.out_features for m in linears)).to(BF16)
     with torch.no_grad():
-        packed.weight.copy_(torch.cat([l.weight for l in linears]))
-        packed.bias.copy_(torch.cat([l.bias for l in linears]))
+        packed.weight.copy_(torch.cat([m.weight for m in linears]))
+        packed.bias.copy_(torch.cat([m.bias for m in linears]))
     return packed
 
 
@@ -364,7 +364,8 @@ def peft_model(request):
             if ".lora_B." in name:  # PEFT starts B at zero; a trained adapter has B != 0
                 p.copy_(randn(p.shape, 70 + i, std=0.02))
     lora_params = {n: p for n, p in model.named_parameters() if ".lora_" in n}
-    assert {p.dtype for p in lora_params.values()} == {BF16}, "adapters must stay bf16, as diffusers' add_adapter keeps them"
+    assert {p.dtype for p in lora_params.values()} == {BF16}, \
+        "adapters must stay bf16, as diffusers' add_adapter keeps them"
     assert all(p.abs().max() > 0 for n, p in lora_params.items() if ".lora_B." in n)
     return model
 
@@ -381,13 +382,13 @@ def test_lora_unmerged_matches_peft(peft_model, shape):
     x = randn((*shape, d), 80)
     qkv = [inner.to_q, inner.to_k, inner.to_v]
     assert qkv[0].scaling["default"] == LORA_ALPHA / LORA_RANK
-    packed = _packed([l.base_layer for l in qkv])
+    packed = _packed([m.base_layer for m in qkv])
     packed.unpacked = True  # the patch group's unpacked_qkv
-    packed.set_lora([_adapter(l) for l in qkv], merge=False)  # the patch group's lora_unmerged
+    packed.set_lora([_adapter(m) for m in qkv], merge=False)  # the patch group's lora_unmerged
     plain = _packed([inner.proj.base_layer])
     plain.set_lora([_adapter(inner.proj)], merge=False)
     with torch.no_grad():
-        refs = [l(x) for l in qkv]
+        refs = [m(x) for m in qkv]
         ref_proj = inner.proj(x)
         base = inner.proj.base_layer(x)
         for name, o, r in zip("qkv", packed(x), refs):
@@ -467,7 +468,7 @@ def test_attention_pairing_layouts(tiny_bf16, monkeypatch, train_backend):
     from torch.nn.attention import SDPBackend
 
     import trueflow.layers.attention as A
-    from trueflow.patches import get_group
+    from trueflow.models import get_group
 
     diff, config, state = tiny_bf16
     batch, h, w, text_len = 2, 4, 5, 7
@@ -514,7 +515,7 @@ def test_attention_pairing_layouts(tiny_bf16, monkeypatch, train_backend):
 def test_group_follows_the_train_backend():
     """`qwen_image` is the `_native_flash` pairing; `qwen_image:<backend>` pins that backend's kernel; a backend no
     kernel reproduces is refused with the choices."""
-    from trueflow.patches import get_group
+    from trueflow.models import get_group
 
     def kernel(group) -> str:
         model = build_model({"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 32,
@@ -553,7 +554,8 @@ def test_group_installs_the_reference_ops():
     assert set(P.GROUP.patch_names) == {v[3] for v in expect.values()} | set(joint)
     for disabled in [()] + [(p,) for p in P.GROUP.patch_names] + [None]:
         model = build_model(config, device="meta")
-        applied = apply_patch_group(model, "none") if disabled is None else apply_patch_group(model, "qwen_image", disabled)
+        applied = (apply_patch_group(model, "none") if disabled is None
+                   else apply_patch_group(model, "qwen_image", disabled))
         assert applied == ([] if disabled is None else [p for p in P.GROUP.patch_names if p not in disabled])
         on = set(applied)
         for mod in model.modules():

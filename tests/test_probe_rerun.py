@@ -33,6 +33,17 @@ def test_outside_rerun_reproduces_the_engine_output(tiny_checkpoint, tmp_path, g
         assert proc.returncode == 1
 
 
+def test_another_familys_probe_saves_and_the_qwen_image_script_says_where_its_check_is(ltx2_checkpoint, tmp_path):
+    """LTX-2.3's train side takes the timestep as it is, so two saved entries would share one tensor, which
+    safetensors refuses: each is saved as its own copy. The rerun script names the family's own outside check."""
+    probe = ParityProbe(ProbeSpec(checkpoint=str(ltx2_checkpoint)))
+    result, out = probe.run("ltx")
+    probe.save(tmp_path / "ltx", result, out)
+    proc = subprocess.run([sys.executable, str(RERUN), str(tmp_path / "ltx")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("snapshot replay script (docs/snapshot.md)")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_the_rerun_script_imports_no_trueflow():
     source = RERUN.read_text()
-    assert "trueflow" not in "".join(l for l in source.splitlines() if l.startswith(("import", "from")))
+    assert "trueflow" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))

@@ -44,7 +44,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _cmd(checkpoint, out, *extra, prefix=("-m", "trueflow")):
-    return [sys.executable, *prefix, "train", "--checkpoint", str(checkpoint), "--output-dir", str(out), *SETTINGS, *extra]
+    return [sys.executable, *prefix, "train", "--checkpoint", str(checkpoint), "--output-dir", str(out), *SETTINGS,
+            *extra]
 
 
 def _env():

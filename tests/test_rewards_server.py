@@ -171,3 +171,19 @@ def test_bad_requests_are_400_with_the_reason(what, reward) -> None:
         assert reason in r.json()["detail"], r.json()["detail"]
         # the server still scores a good request afterwards
         assert RemoteReward(url)(images(2, size=8), ["a", "b"]).shape == (2,)
+
+
+def test_a_body_past_the_limit_is_413_unread() -> None:
+    """A /score body larger than max_body_bytes is refused (413) by its Content-Length, and a chunked one (no
+    declared length) once its bytes pass the limit; a body at the limit is scored."""
+    good = _body([2, 8, 8, 3], ["a", "b"])
+    with served(build_reward("redness"), max_body_bytes=len(good)) as url:
+        post = lambda content: httpx.post(f"{url}/score", content=content,  # noqa: E731
+                                          headers={"content-type": "application/msgpack"})
+        assert post(good).status_code == 200
+        big = _body([3, 8, 8, 3], ["a", "b", "c"])
+        r = post(big)
+        assert r.status_code == 413 and f"larger than the {len(good)} bytes" in r.json()["detail"], r.text
+        r = post(iter([big[:100], big[100:]]))  # a generator: sent chunked, no Content-Length
+        assert r.status_code == 413, r.text
+        assert post(good).status_code == 200

@@ -198,7 +198,8 @@ GOOD = {"prompts": ["a cat"], "n_per_prompt": 1, "seed": 0, "steps": 2, "height"
     # OpenAI's own fields are taken (tests/test_server_openai.py); any other unknown one is a typo, refused
     ("/v1/images/generations", {"prompt": "a", "quality_boost": "hd"}, 400, "unknown field.*'quality_boost'"),
     ("/v1/images/generations", {"prompt": "a", "cfg_scale": 1e300}, 400, "cfg_scale must be at most 100"),
-    ("/weights/lora", {"path": "/nonexistent/lora.safetensors", "scale": 1.0}, 403, "off on this server.*--weights-root"),
+    ("/weights/lora", {"path": "/nonexistent/lora.safetensors", "scale": 1.0}, 403,
+     "off on this server.*--weights-root"),
     ("/weights/lora", {"path": "/nonexistent/lora.safetensors"}, 400, "missing field.*'scale'"),
     ("/weights/full", b"garbage", 415, "content-type must be"),
     ("/nowhere", b"", 404, "Not Found"),
@@ -239,7 +240,7 @@ def test_lora_update_by_file_and_by_ipc(fresh_url, reference, tiny_checkpoint, t
 
     # The update is what the engine runs with: the same rollout as an in-process engine given the same LoRA.
     ref = Engine(tiny_checkpoint)
-    ref.update_lora(other, scale=1.0, merge_mode="unmerged")
+    ref.update_weights(other, lora_scale=1.0, merge_mode="unmerged")
     args = (["a cat"], 1, PARAMS, 3)
     served = remote_rollout(fresh_url, RolloutRequest(*args))
     assert_same_rollout(served, ref.rollout(RolloutRequest(*args)))

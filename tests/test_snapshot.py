@@ -99,8 +99,9 @@ def test_snapshot_rescoring_gives_the_recorded_log_prob_mean_and_std(snapshot):
     sigmas = tensors["mg0/sigmas"]
     for t in meta["microgroups"][0]["sde_steps"]:
         x_next = tensors[f"mg0/step{t + 1}/latents"] if t + 1 < STEPS else tensors["mg0/final_latents"]
-        log_prob, mean, std = sde_log_prob(x_next, tensors[f"mg0/step{t}/latents"], tensors[f"mg0/step{t}/guided_output"],
-                                           sigmas[t], sigmas[t + 1], sigmas[1], meta["params"]["noise_level"])
+        log_prob, mean, std = sde_log_prob(x_next, tensors[f"mg0/step{t}/latents"],
+                                           tensors[f"mg0/step{t}/guided_output"], sigmas[t], sigmas[t + 1], sigmas[1],
+                                           meta["params"]["noise_level"])
         assert_bitwise(log_prob, tensors["mg0/log_probs"][t], f"log-prob {t}")
         assert_bitwise(mean, tensors[f"mg0/step{t}/mean"], f"mean {t}")
         assert_bitwise(std, tensors[f"mg0/step{t}/std"], f"std {t}")

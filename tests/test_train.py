@@ -85,7 +85,8 @@ def test_checkpoint_loads_in_diffusers_and_reproduces_the_trained_forward(embedd
     from trueflow.models import get_family
     from trueflow.train.model import train_forward
     from trueflow.models.qwen_image.train import model_timestep
-    from trueflow.engine.weights import load_engine_transformer, update_lora
+    from trueflow.engine.weights import load_engine_transformer
+    from trueflow.models.lora import update_lora
 
     out, _ = embedded_run
     ckpt = latest_checkpoint(out)
@@ -123,7 +124,10 @@ def assert_same_metrics(rows: list[dict], embedded: list[dict]) -> None:
     one-process run. Only sums over sharded or per-rank pieces (grad norm, mean loss) are added in another order,
     so they agree to float rounding."""
     order_dependent = ("grad_norm", "loss", "kl")
-    exact = lambda rs: [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+
+    def exact(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in order_dependent} for r in comparable(rs)]
+
     assert exact(rows) == exact(embedded)
     for r, e in zip(rows, embedded):
         for k in order_dependent:
@@ -174,7 +178,7 @@ def test_two_fsdp_ranks_with_the_engine_in_its_own_process(embedded_run, tiny_ch
 @pytest.mark.parametrize("overrides, fix", [
     (dict(n_samples_per_prompt=6), "multiple of --rollout-microgroup-size"),
     (dict(num_sde_steps=9), "--num-sde-steps"),
-    (dict(use_lora=False), "full fine-tuning"),
+    (dict(use_lora=False, kl_beta=0.1), "KL reference of a full fine-tune"),
     (dict(resolution=60), "multiple of 16"),
 ])
 def test_invalid_settings_are_refused_with_the_fix(tmp_path, tiny_checkpoint, overrides, fix):

@@ -228,7 +228,8 @@ class _Opaque:
 def test_a_resume_refuses_settings_that_change_the_math(tmp_path, capsys, monkeypatch, argv, shown):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "pipe").mkdir()
-    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "QwenImagePipeline"}')  # enough for the checks before loading
+    # enough for the checks before loading
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "QwenImagePipeline"}')
     run = tmp_path / "run"
     fake_checkpoint(run, 1, TrainConfig(output_dir=str(run), checkpoint=str(DEFAULT_CHECKPOINT)))
     before = digest(run)

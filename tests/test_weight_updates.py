@@ -55,7 +55,7 @@ def with_value(t: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tenso
 
 def checksums(engine) -> tuple[str, ...]:
     """Weights (parameters, LoRA tensors, scales) and LoRA checksums; the engine process exposes the latter."""
-    return (engine.weights_checksum(), engine.lora_checksum()) if isinstance(engine, Engine) else \
+    return (engine.weights_checksum(), engine.checksum()) if isinstance(engine, Engine) else \
         (engine.checksum(),)
 
 
@@ -120,16 +120,16 @@ def bad_lora_updates(engine: Engine) -> dict[str, tuple[dict[str, torch.Tensor],
 
 @pytest.mark.parametrize("merge_mode", ["merged", "unmerged"])
 def test_refused_lora_updates_change_nothing(engine, merge_mode):
-    engine.update_lora(make_lora(engine, 0), 0.5, merge_mode)  # a LoRA in place, which must stay
+    engine.update_weights(make_lora(engine, 0), 0.5, merge_mode)  # a LoRA in place, which must stay
     before = fingerprint(engine)
     for what, (update, scale, reason) in bad_lora_updates(engine).items():
         with pytest.raises(ValueError, match="cannot load LoRA, nothing was applied") as info:
-            engine.update_lora(update, scale, merge_mode)
+            engine.update_weights(update, scale, merge_mode)
         assert reason in str(info.value), (what, str(info.value))
         assert checksums(engine) == before[0], what
     assert_same(fingerprint(engine), before, "after every refused update")
     # the failing side: a valid update changes both checksums and the rollout
-    engine.update_lora(make_lora(engine, 100), 1.0, merge_mode)
+    engine.update_weights(make_lora(engine, 100), 1.0, merge_mode)
     assert_changed(fingerprint(engine), before, "a valid update")
 
 
@@ -141,12 +141,12 @@ def test_values_at_the_bf16_bound_are_taken_and_past_it_refused(engine):
     lora = make_lora(engine, 0)
     qa, qb = f"{Q}.lora_A.weight", f"{Q}.lora_B.weight"
     tiny_a = lora[qa] * 1e-30  # keeps scale·B·A small, so only B's own value is at stake
-    engine.update_lora({**lora, qa: tiny_a, qb: with_value(lora[qb], below.item(), torch.float32)}, 1.0)
+    engine.update_weights({**lora, qa: tiny_a, qb: with_value(lora[qb], below.item(), torch.float32)}, 1.0)
     held = dict(engine.transformer.named_modules())[map_module_name(Q)[0]].adapters[0].B
     assert held.view(-1)[0].item() == BF16_MAX
     before = fingerprint(engine)
     with pytest.raises(ValueError) as info:
-        engine.update_lora({**lora, qa: tiny_a, qb: with_value(lora[qb], midpoint.item(), torch.float32)}, 1.0)
+        engine.update_weights({**lora, qa: tiny_a, qb: with_value(lora[qb], midpoint.item(), torch.float32)}, 1.0)
     assert f"{qb} holds |value| 3.396e+38, inf in bfloat16" in str(info.value)
     assert_same(fingerprint(engine), before, "past the bound")
 
@@ -170,25 +170,25 @@ def bad_full_updates(state: dict[str, torch.Tensor]) -> dict[str, tuple[dict[str
 
 def test_refused_full_updates_change_nothing(engine, tiny_checkpoint):
     state = read_transformer_state_dict(tiny_checkpoint)
-    engine.load_weights(state)
-    engine.update_lora(make_lora(engine, 0), 0.5)  # a full update drops the LoRA: a refused one must not
+    engine.update_weights(state)
+    engine.update_weights(make_lora(engine, 0), 0.5)  # a full update drops the LoRA: a refused one must not
     before = fingerprint(engine)
     for what, (update, reason) in bad_full_updates(state).items():
         with pytest.raises(ValueError, match="cannot load weights, nothing was applied") as info:
-            engine.load_weights(update)
+            engine.update_weights(update)
         assert reason in str(info.value), (what, str(info.value))
         assert checksums(engine) == before[0], what
     assert_same(fingerprint(engine), before, "after every refused update")
-    engine.load_weights({k: v + 0.01 for k, v in state.items()})  # the failing side
+    engine.update_weights({k: v + 0.01 for k, v in state.items()})  # the failing side
     assert_changed(fingerprint(engine), before, "a valid full update")
-    engine.load_weights(state)
+    engine.update_weights(state)
 
 
 def test_updates_from_files_and_buckets_are_refused_alike(engine, tiny_checkpoint, tmp_path):
     """What the server's routes do: a safetensors file read back (F64 survives the file), or buckets unpacked."""
     state = read_transformer_state_dict(tiny_checkpoint)
-    engine.load_weights(state)
-    engine.update_lora(make_lora(engine, 0), 0.5)
+    engine.update_weights(state)
+    engine.update_weights(make_lora(engine, 0), 0.5)
     before = fingerprint(engine)
     lora_update, _, lora_reason = bad_lora_updates(engine)["F64 LoRA at 1e300"]
     full_update, full_reason = bad_full_updates(state)["full weights at 1e300"]
@@ -200,7 +200,7 @@ def test_updates_from_files_and_buckets_are_refused_alike(engine, tiny_checkpoin
             b.buffer.share_memory_()
         for how, got in (("file", from_file), ("buckets", unpack(buckets))):
             with pytest.raises(ValueError) as info:
-                engine.update_lora(got, 1.0) if name == "lora" else engine.load_weights(got)
+                engine.update_weights(got, 1.0) if name == "lora" else engine.update_weights(got)
             assert (lora_reason if name == "lora" else full_reason) in str(info.value), (name, how)
             assert checksums(engine) == before[0], (name, how)
     assert_same(fingerprint(engine), before, "after every refused update")

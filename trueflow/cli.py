@@ -47,7 +47,7 @@ def _check_engine_options(a: argparse.Namespace, fam: ModelFamily) -> None:
     """The patch group (default: the family's parity group; another family's refused; in the batch-invariant mode's
     form with `--batch-invariant`), the patches switched off, the thread count: `a` is updated in place."""
     from .models import patch_group_for
-    from .patches import get_group
+    from .models import get_group
 
     a.patch_group = patch_group_for(fam, a.patch_group)
     if a.batch_invariant:
@@ -187,7 +187,8 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
                         "only with --batch-invariant (default: the whole batch, as one microgroup)")
     p.add_argument("--resolution", type=int, default=64, metavar="PX", help="image side in pixels, a multiple of "
                    "the family's granule (default: 64)")
-    p.add_argument("--lora-rank", type=int, default=0, help="add a PEFT LoRA of this rank with non-zero B (default: none)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="add a PEFT LoRA of this rank with non-zero B (default: none)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
     p.add_argument("--lora-merge-mode", choices=("unmerged", "merged"), default=None,
                    help="how the engine takes the LoRA (default: the patch group's choice)")
@@ -272,7 +273,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="diffusers pipeline folder")
     p.add_argument("--prompt", required=True, help="the prompt")
     p.add_argument("--negative-prompt", default=None, help="negative prompt of true CFG (default: the family's: ' ' "
-                   "for Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)")
+                   "for Qwen-Image, '' for SD3; none for FLUX.1, whose pipeline runs no CFG without one)")
     p.add_argument("--max-sequence-length", type=int, default=512, metavar="N", help="text tokens of the prompt: "
                    "the pipeline's max_sequence_length (default: 512)")
     add_renamed(p, "--n-samples-per-prompt", "--num-images", type=int, default=1, metavar="N",
@@ -408,7 +409,7 @@ def _add_patches(p: argparse.ArgumentParser) -> None:
 
 def _run_patches(a: argparse.Namespace) -> int:
     from .models import default_family, family_for_patch_group, get_family, patch_group_for
-    from .patches import get_group
+    from .models import get_group
 
     if a.family is not None:
         name = patch_group_for(get_family(a.family), a.patch_group)
@@ -468,6 +469,8 @@ def _add_reward_serve(p: argparse.ArgumentParser) -> None:
                    help="most images in one merged reward call (default: 64)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the first request waits for others to batch with (default: 5)")
+    p.add_argument("--max-body-mb", type=float, default=256.0, metavar="MB",
+                   help="largest /score body taken, in MiB; a larger one is refused (413) unread (default: 256)")
 
 
 def _run_reward_serve(a: argparse.Namespace) -> int:
@@ -476,11 +479,13 @@ def _run_reward_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-batch {a.max_batch}: must be >= 1")
     if not (math.isfinite(a.max_wait_ms) and a.max_wait_ms >= 0):
         raise ValueError(f"--max-wait-ms {a.max_wait_ms}: must be a finite number >= 0")
+    if not (math.isfinite(a.max_body_mb) and a.max_body_mb > 0):
+        raise ValueError(f"--max-body-mb {a.max_body_mb}: must be a finite number > 0")
     _set_threads(a)
     from .rewards.server import serve
 
     serve(a.reward, host=a.host, port=a.port, model_path=a.reward_model, device=a.device, max_batch=a.max_batch,
-          max_wait_ms=a.max_wait_ms, url=a.reward_url)
+          max_wait_ms=a.max_wait_ms, url=a.reward_url, max_body_bytes=int(a.max_body_mb * (1 << 20)))
     return 0
 
 
@@ -541,15 +546,19 @@ def _run_serve(a: argparse.Namespace) -> int:
 
 
 VERBS = {
-    "init-checkpoint": ("write a tiny diffusers-format checkpoint with seeded random weights", _add_init_checkpoint, _run_init_checkpoint),
-    "parity": ("compare the engine's forward with the train side's, bitwise, with a per-layer report", _add_parity, _run_parity),
+    "init-checkpoint": ("write a tiny diffusers-format checkpoint with seeded random weights", _add_init_checkpoint,
+                        _run_init_checkpoint),
+    "parity": ("compare the engine's forward with the train side's, bitwise, with a per-layer report", _add_parity,
+               _run_parity),
     "generate": ("generate images of one prompt with the rollout engine, optionally with a trained LoRA (PNGs or "
                  "MP4s, settings.json, optional snapshot)", _add_generate, _run_generate),
-    "train": ("GRPO training: rollouts, rewards, PPO-clip, LoRA sync, parity at every optimizer step", _add_train, _run_train),
+    "train": ("GRPO training: rollouts, rewards, PPO-clip, LoRA sync, parity at every optimizer step", _add_train,
+              _run_train),
     "patches": ("list the patches of a rollout patch group", _add_patches, _run_patches),
     "reward": ("score one image for a prompt with a reward", _add_reward, _run_reward),
     "reward-serve": ("serve a reward over HTTP, batching concurrent requests", _add_reward_serve, _run_reward_serve),
-    "serve": ("serve the rollout engine over HTTP: rollouts, OpenAI-style images, weight updates", _add_serve, _run_serve),
+    "serve": ("serve the rollout engine over HTTP: rollouts, OpenAI-style images, weight updates", _add_serve,
+              _run_serve),
 }
 # A name that left a verb because it means something else in another: the hint its refusal gives.
 MOVED = {("serve", "--max-batch"): "serve's bound on samples per request is --max-samples (--max-batch is "

@@ -1,14 +1,14 @@
 """Rollout patch groups: named sets of patches that swap an engine model's fast numerics for train-exact ones.
 
 Each model family declares its groups (`ModelFamily.patch_groups`, trueflow/models/<family>/family.py); a group is
-applied to an engine model right after it is built, and each of its patches can be switched off alone to see
-what it buys.
+applied to an engine model right after it is built (`models.apply_patch_group`, where the registry finds the group),
+and each of its patches can be switched off alone to see what it buys. This module is a leaf below models/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -39,23 +39,6 @@ class PatchGroup:
         return tuple(p.name for p in self.patches)
 
 
-def get_group(name: str) -> PatchGroup | None:
-    """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
-    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
-    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `BATCH_INVARIANT_PATCH`."""
-    from .kernels.batch_invariant import BACKEND
-    from .models import family_for_patch_group
-
-    family = family_for_patch_group(name)
-    if family is None:
-        return None
-    group, _, train_backend = name.partition(":")
-    spec = family.patch_groups[group]
-    if train_backend == BACKEND:
-        return PatchGroup(spec.group.name, (*spec.group.patches, BATCH_INVARIANT_PATCH))
-    return spec.make(train_backend) if train_backend else spec.group
-
-
 def batch_invariant_group(name: str) -> str:
     """The patch group of the batch-invariant mode for group `name` (`qwen_image` becomes
     `qwen_image:trueflow_batch_invariant`): what `--batch-invariant` makes of a verb's `--patch-group`. Refused in
@@ -70,6 +53,8 @@ def batch_invariant_group(name: str) -> str:
     if backend and backend != BACKEND:
         raise ValueError(f"--batch-invariant pairs the engine with the train side's {BACKEND} attention backend, "
                          f"not {backend}: use --patch-group {group}")
+    from .models import get_group
+
     get_group(f"{group}:{BACKEND}")  # an unknown group is refused with the known names
     return f"{group}:{BACKEND}"
 
@@ -90,25 +75,3 @@ def _batch_invariant(model: nn.Module) -> None:
 BATCH_INVARIANT_PATCH = Patch("batch_invariant", "batch-invariant GEMMs and per-sample attention over each sample's "
                                                  "own keys (the train side's trueflow_batch_invariant backend)",
                               _batch_invariant)
-
-
-def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """Apply group `name` to a built engine model, except the patches in `disabled`. Returns the applied names."""
-    group = get_group(name)
-    if group is None:
-        if disabled:
-            raise ValueError(f"--disable-patch {', '.join(disabled)} needs a patch group; "
-                             f"--patch-group none applies no patches")
-        model.patches_applied = []
-        return []
-    unknown = sorted(set(disabled) - set(group.patch_names))
-    if unknown:
-        raise ValueError(f"unknown patch(es) {', '.join(unknown)} for group {name!r}; "
-                         f"its patches are: {', '.join(group.patch_names)}")
-    applied = []
-    for patch in group.patches:
-        if patch.name not in disabled:
-            patch.apply(model)
-            applied.append(patch.name)
-    model.patches_applied = applied
-    return applied

@@ -34,7 +34,8 @@ Design:
 from __future__ import annotations
 
 import operator
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn

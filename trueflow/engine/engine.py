@@ -99,21 +99,6 @@ class Engine:
         self.scheduler_config = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
 
     # -- weights -------------------------------------------------------------------------------------------
-    def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
-                    merge_mode: str | None = None) -> None:
-        """Replace the LoRA (PEFT-format tensors, or buckets of them as a sync sends them); merged or not as
-        `engine.weights.resolve_lora_merge` decides."""
-        self.runner.update_lora(state, scale, merge_mode)
-
-    def lora_checksum(self) -> str:
-        """Checksum of the installed LoRA read back from the engine's layers (`sync.checksum`); equal to the
-        trainer's checksum of what it sent once an update is in place."""
-        return self.runner.lora_checksum()
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Replace all transformer weights (diffusers names); any LoRA is dropped."""
-        self.runner.load_weights(state_dict)
-
     def weights_checksum(self) -> str:
         """`sync.checksum.tensors_checksum` of every transformer parameter (engine names) and the installed LoRA
         (diffusers names, merged or not; its scale in the hashed text): a few integer sums per tensor on the
@@ -124,15 +109,18 @@ class Engine:
     def update_weights(self, state: dict[str, torch.Tensor] | list[Bucket], lora_scale: float | None = None,
                        merge_mode: str | None = None) -> str:
         """The interface's update; `state` may also be buckets (`sync.buckets`), as an engine process receives
-        them: a LoRA then installs without unpacking (`lora_arena`). The sender's buffers are never kept."""
+        them: a LoRA then installs without unpacking (`lora_arena`), merged or not as `models.lora.resolve_lora_merge`
+        decides; full weights (diffusers names) drop any LoRA. The sender's buffers are never kept."""
         if lora_scale is None:
-            self.load_weights(unpack(state) if isinstance(state, list) else state)
+            self.runner.load_weights(unpack(state) if isinstance(state, list) else state)
             return self.weights_checksum()
-        self.update_lora(state, lora_scale, merge_mode)
-        return self.lora_checksum()
+        self.runner.update_lora(state, lora_scale, merge_mode)
+        return self.checksum()
 
     def checksum(self) -> str:
-        return self.lora_checksum()
+        """Checksum of the installed LoRA read back from the engine's layers (`sync.checksum`); equal to the
+        trainer's checksum of what it sent once an update is in place."""
+        return self.runner.lora_checksum()
 
     def health(self) -> dict:
         return {"status": "ok", "checkpoint": self.checkpoint, "family": self.family.name,

@@ -24,7 +24,7 @@ from ..layers.linear import Linear, LoraAdapter
 from ..models.weight_map import MERGE_MARGIN
 from ..sync.buckets import Bucket, aligned, pack, tensor_bytes, unpack
 from ..sync.checksum import buckets_checksum, packed_in_order, tensors_checksum
-from . import weights
+from ..models import lora
 
 Layout = list[tuple[int, list[tuple[str, torch.dtype, tuple[int, ...], int]]]]
 
@@ -38,7 +38,7 @@ class LoraArena:
     """Flat buffers holding the installed adapters, and what the fast check needs of the layers they feed."""
 
     def __init__(self, model: nn.Module, buckets: list[Bucket], scale: float):
-        slots = weights.lora_slots(model)
+        slots = lora.lora_slots(model)
         self.layout, self.scale = layout(buckets), float(scale)  # as `weight_map.set_lora` stores it
         device = next(model.parameters()).device
         self.buffers = [b.buffer.to(device, copy=True) for b in buckets]
@@ -70,10 +70,11 @@ class LoraArena:
         """Whether the LoRA just installed from `buckets` can move into an arena of their layout: each bucket one
         dtype, the engine's, tensors packed in name order, and exactly the installed adapters' names."""
         names = [n for b in buckets for n, _, _, _ in b.manifest]
-        slots = weights.lora_slots(model)
+        slots = lora.lora_slots(model)
         installed = sorted(f"{p}.lora_{ab}.weight" for p, _, _ in slots for ab in "AB")
         dtypes = {layer.weight.dtype for _, layer, _ in slots}
-        return (bool(names) and names == installed and len(dtypes) == 1 and not any(l.merged for _, l, _ in slots)
+        return (bool(names) and names == installed and len(dtypes) == 1
+                and not any(layer.merged for _, layer, _ in slots)
                 and all(packed_in_order(b) and {d for _, d, _, _ in b.manifest} == dtypes for b in buckets))
 
     def holds(self) -> bool:
@@ -121,7 +122,7 @@ def aligned_elems(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def update_lora_packed(model: nn.Module, buckets: list[Bucket], scale: float, merge_mode: str | None = None) -> None:
-    """`weights.update_lora` from buckets: the fast path where the model's arena accepts and approves the update;
+    """`lora.update_lora` from buckets: the fast path where the model's arena accepts and approves the update;
     else the general path (which refuses a bad update naming every problem, installing nothing), after which an
     unmerged LoRA moves into a new arena of the buckets' layout where it can."""
     arena: LoraArena | None = getattr(model, "lora_arena", None)
@@ -130,7 +131,7 @@ def update_lora_packed(model: nn.Module, buckets: list[Bucket], scale: float, me
         arena.install(buckets)
         return
     model.lora_arena = None
-    weights.update_lora(model, unpack(buckets), scale, merge_mode)
+    lora.update_lora(model, unpack(buckets), scale, merge_mode)
     if LoraArena.adoptable(model, buckets):
         model.lora_arena = LoraArena(model, buckets, scale)
 
@@ -140,7 +141,7 @@ def lora_checksum(model: nn.Module) -> str:
     arena: LoraArena | None = getattr(model, "lora_arena", None)
     if arena is not None and arena.holds():
         return arena.checksum()
-    return tensors_checksum(weights.lora_state(model))
+    return tensors_checksum(lora.lora_state(model))
 
 
 def as_buckets(state: dict[str, torch.Tensor]) -> list[Bucket] | None:

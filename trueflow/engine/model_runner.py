@@ -27,6 +27,9 @@ from ..layers.linear import Linear
 from ..models.spec import Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
+from ..sync.full_weights import weights_checksum
+from ..models import lora
+from ..models.weight_map import OwnedWeights
 from . import weights
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
 from .batcher import ForwardBatcher
@@ -83,7 +86,7 @@ class ModelRunner:
         if len(self.transformers) > 1:
             parts = split_by_expert(unpack(state) if isinstance(state, list) else state, self.names)
             for model, part in zip(self.transformers, parts):
-                weights.update_lora(model, part, scale, merge_mode, check_only=True)
+                lora.update_lora(model, part, scale, merge_mode, check_only=True)
             for model, part in zip(self.transformers, parts):
                 self._update_one(model, part, scale, merge_mode)
         else:
@@ -100,30 +103,37 @@ class ModelRunner:
             update_lora_packed(model, buckets, scale, merge_mode)
         else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
             model.lora_arena = None
-            weights.update_lora(model, state, scale, merge_mode)
+            lora.update_lora(model, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace every expert's weights (diffusers names, `expert_prefix`ed after the first expert); all or nothing:
+        each expert's part is checked before any is installed. An `OwnedWeights` state is kept without a copy where
+        the expert runs eagerly; under CUDA graphs it is copied in place, since a graph reads the addresses it
+        captured (adopting new tensors would make every graph re-capture: a forward or two per shape, each sync)."""
         if getattr(self.transformer, "tp", None) is not None:
             raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
                              "with --tp 1, or start the engine from a checkpoint holding them")
-        if len(self.transformers) > 1:
-            raise ValueError(f"full-weight updates of an engine of {len(self.transformers)} experts "
-                             f"({', '.join(self.names)}) are not supported: start the engine from a checkpoint "
-                             "holding the weights")
-        self.family.engine.load_weights(self.transformer, state_dict)
-        self.transformer.lora_arena = None  # the LoRA was cleared: its arena's buffers go too
+        owned = isinstance(state_dict, OwnedWeights)
+        parts = split_by_expert(state_dict, self.names) if len(self.transformers) > 1 else [state_dict]
+        parts = [OwnedWeights(p) if owned and not f.enabled else dict(p) for p, f in zip(parts, self.forwards)]
+        if len(parts) > 1:  # checked first, so a bad part changes no expert
+            for model, part in zip(self.transformers, parts):
+                weights.check_full(model, part)
+        for model, part in zip(self.transformers, parts):
+            self.family.engine.load_weights(model, part)
+            model.lora_arena = None  # the LoRA was cleared: its arena's buffers go too
 
     def lora_checksum(self) -> str:
         if len(self.transformers) == 1:
             return lora_checksum(self.transformer)
-        return tensors_checksum(self._prefixed(weights.lora_state))
+        return tensors_checksum(self._prefixed(lora.lora_state))
 
     def weights_checksum(self) -> str:
-        tensors = self._prefixed(lambda m: dict(m.named_parameters()))
-        tensors.update({f"lora.{k}": v for k, v in self._prefixed(weights.lora_state).items()})
-        scales = sorted({a.scale for t in self.transformers for m in t.modules() if isinstance(m, Linear)
-                         for a in m.adapters if a})
-        return tensors_checksum(tensors, extra=f"lora_scales={scales}")
+        """`sync.full_weights.weights_checksum` of every expert's weights read back under diffusers' names, and its
+        LoRA: what the trainer's checksum of a full-weight update equals once the update is in place."""
+        scales = {a.scale for t in self.transformers for m in t.modules() if isinstance(m, Linear)
+                  for a in m.adapters if a}
+        return weights_checksum(self._prefixed(weights.full_state), self._prefixed(lora.lora_state), scales)
 
     def _prefixed(self, tensors_of: Callable[[nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every expert's tensors under its `expert_prefix` names."""

@@ -1,20 +1,14 @@
-"""Building the engine's transformer and updating its weights (the engine-side half of weight sync), for any
-model family: the family's engine side builds the model and maps diffusers' tensor names onto it."""
+"""Building the engine's transformer, for any model family, and reading back or checking its full weights: the
+family's engine side builds the model and maps diffusers' tensor names onto it. Its LoRA (the engine-side half of a
+LoRA sync) is `models.lora`'s."""
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
 
 from .. import loading
-from ..layers.linear import Linear
-from ..models import family_for_config
-from ..models.spec import ModelFamily
-from ..patches import apply_patch_group
-
-LORA_MERGE_MODES = ("unmerged", "merged")
+from ..models import apply_patch_group, family_for_config, weight_map
 
 
 def build_engine_transformer(
@@ -46,50 +40,16 @@ def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = 
                                     device, dtype, patch_group, disabled_patches, family)
 
 
-def _family(model: nn.Module) -> ModelFamily:
-    return model.family
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of the engine model under diffusers' tensor names, read back from its parameters (views, no
+    copy): what a full-weight update installed."""
+    fam = model.family.engine
+    return weight_map.full_state(model, weight_map.Names(fam.map_module_name, fam.diffusers_module_name))
 
 
-def resolve_lora_merge(model: nn.Module, requested: str | None) -> bool:
-    """Whether a LoRA update is merged into the weights. By default the engine merges (fast) unless its patch
-    group keeps adapters unmerged; an explicit `merged` under such a group is honoured with a warning."""
-    if requested is None:
-        return model.lora_merge
-    if requested not in LORA_MERGE_MODES:
-        raise ValueError(f"unknown LoRA merge mode {requested!r}; choose one of {', '.join(LORA_MERGE_MODES)}")
-    if requested == "merged" and not model.lora_merge:
-        warnings.warn("LoRA merge requested under a parity patch group: W + scale·B·A in bf16 rounds differently "
-                      "from PEFT's unmerged forward (~1e-2 in bf16), so the rollout is no longer bitwise equal to "
-                      "the train side. Use --lora-merge-mode unmerged to keep parity.", stacklevel=2)
-    return requested == "merged"
-
-
-def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
-                merge_mode: str | None = None, check_only: bool = False) -> None:
-    """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing: names, shapes and the values as the
-    engine's dtype holds them, scale included, are checked first (the family's `set_lora`), and a bad update
-    raises WeightLoadError (a ValueError) naming every problem, with the previous weights left in place.
-    `check_only`: check and stop (the checks hold for both merge modes)."""
-    engine = _family(model).engine
-    lora = engine.parse_peft_state_dict(peft_state_dict)
-    if check_only:
-        engine.set_lora(model, lora, scale, merge=False, check_only=True)
-    else:
-        engine.set_lora(model, lora, scale, merge=resolve_lora_merge(model, merge_mode))
-
-
-def lora_slots(model: nn.Module) -> list[tuple[str, Linear, int]]:
-    """(diffusers module name, layer, slot) of every installed adapter, in module order."""
-    name_of = _family(model).engine.diffusers_module_name
-    return [(name_of(name, slot if mod.packed else None), mod, slot) for name, mod in model.named_modules()
-            if isinstance(mod, Linear) for slot, a in enumerate(mod.adapters) if a is not None]
-
-
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The installed LoRA (merged or not) as PEFT-format tensors, under diffusers' module names: what a weight
-    sync sent, read back from the engine's layers (the engine side of the sync checksum)."""
-    out = {}
-    for prefix, mod, slot in lora_slots(model):
-        a = mod.adapters[slot]
-        out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
-    return out
+def check_full(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """The checks of a full-weight update of `model` (what the family's `load_weights` checks), nothing applied."""
+    fam = model.family.engine
+    keep = (lambda k: not fam.drops(k)) if fam.drops is not None else (lambda k: True)
+    weight_map.check_weights(model, weight_map.subset(state_dict, keep),
+                             weight_map.Names(fam.map_module_name, fam.diffusers_module_name))

@@ -175,7 +175,8 @@ def _token_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.shape != x.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} (strides {out.stride()}) must be {tuple(x.shape)} with unit last stride")
+        raise ValueError(f"out {tuple(out.shape)} (strides {out.stride()}) must be {tuple(x.shape)} "
+                         "with unit last stride")
     return out
 
 

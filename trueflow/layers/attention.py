@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """PyTorch chooses the kernel for the call it is given: diffusers' `native`."""
     return _sdpa(q, k, v, mask, None)
+
+
+@register("sdpa_heads_major", heads_major=True)
+def sdpa_heads_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch chooses the kernel for contiguous heads-major [B, H, S, D] q/k/v: what a diffusers processor that
+    `torch.cat`s the streams' heads-major views itself before calling SDPA hands it (`JointAttnProcessor2_0`, SD3)."""
+    return _sdpa(q, k, v, mask, None, heads_major=True)
 
 
 @register("math")

@@ -44,7 +44,8 @@ def rope_tables_fused(positions: torch.Tensor, axes_dim: tuple[int, ...], theta:
     fp32: `pos · theta^(-2j/d)` per axis (d its share of the head), then cos/sin."""
     angles = []
     for axis, dim in enumerate(axes_dim):
-        inv_freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-torch.log(torch.tensor(float(theta))).item() / dim))
+        inv_freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+                             * (-torch.log(torch.tensor(float(theta))).item() / dim))
         angles.append(positions[:, axis].to(device=device, dtype=torch.float32)[:, None] * inv_freq[None, :])
     a = torch.cat(angles, dim=-1)
     return RopeTables(cos=a.cos(), sin=a.sin())

@@ -13,6 +13,9 @@ import json
 import pkgutil
 from pathlib import Path
 
+from torch import nn
+
+from ..patches import PatchGroup
 from .spec import Expert, ModelFamily
 
 
@@ -118,3 +121,51 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
         raise ValueError(f"{flag} {group} is the {owner.name} family's group, and this is a {family.name} "
                          f"checkpoint: use {flag} {parity_group(family)} (or none)")
     return group
+
+
+# The families whose engine and train side the batch-invariant mode is tested on bitwise at real widths with a
+# failure side (tests/test_batch_invariant_parity.py); another family's `group:trueflow_batch_invariant` is refused.
+# SD3.5 is not among them: at micro-batches of one against a microgroup of 4 its first block's `to_add_out` differs.
+BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux")
+
+
+def get_group(name: str) -> PatchGroup | None:
+    """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
+    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
+    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `BATCH_INVARIANT_PATCH`."""
+    from ..kernels.batch_invariant import BACKEND
+    from ..patches import BATCH_INVARIANT_PATCH
+
+    family = family_for_patch_group(name)
+    if family is None:
+        return None
+    group, _, train_backend = name.partition(":")
+    spec = family.patch_groups[group]
+    if train_backend == BACKEND:
+        if family.name not in BATCH_INVARIANT_FAMILIES:
+            raise ValueError(f"--batch-invariant is not verified for {family.name} (tested: "
+                             f"{', '.join(BATCH_INVARIANT_FAMILIES)}): drop --batch-invariant")
+        return PatchGroup(spec.group.name, (*spec.group.patches, BATCH_INVARIANT_PATCH))
+    return spec.make(train_backend) if train_backend else spec.group
+
+
+def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Apply group `name` to a built engine model, except the patches in `disabled`. Returns the applied names."""
+    group = get_group(name)
+    if group is None:
+        if disabled:
+            raise ValueError(f"--disable-patch {', '.join(disabled)} needs a patch group; "
+                             f"--patch-group none applies no patches")
+        model.patches_applied = []
+        return []
+    unknown = sorted(set(disabled) - set(group.patch_names))
+    if unknown:
+        raise ValueError(f"unknown patch(es) {', '.join(unknown)} for group {name!r}; "
+                         f"its patches are: {', '.join(group.patch_names)}")
+    applied = []
+    for patch in group.patches:
+        if patch.name not in disabled:
+            patch.apply(model)
+            applied.append(patch.name)
+    model.patches_applied = applied
+    return applied

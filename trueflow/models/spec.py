@@ -155,9 +155,9 @@ class Guidance:
     `per_expert_scale`: every expert after the first may take its own scale (`cfg_scale_2`; WanPipeline's
     `guidance_scale_2`, which defaults to `guidance_scale`).
     `negative_prompt`: the negative prompt of a request that names none (`SamplingParams.negative_prompt` None):
-    trueflow's `" "` for Qwen-Image (its recipe's); None where the pipeline's default is no negative prompt and it
-    runs no CFG without one (FluxPipeline's true CFG needs `negative_prompt`): `cfg_scale > 1` is then refused
-    unless the request names one."""
+    trueflow's `" "` for Qwen-Image (its recipe's), the pipeline's `""` for SD3; None where the pipeline's default is
+    no negative prompt and it runs no CFG without one (FluxPipeline's true CFG needs `negative_prompt`):
+    `cfg_scale > 1` is then refused unless the request names one."""
 
     branches: Literal["separate", "batched", "none"]
     formula: GuidanceFormula | None = None

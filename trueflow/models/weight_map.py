@@ -60,6 +60,13 @@ def renamed(block: dict[str, tuple[str, int | None]], top: dict[str, tuple[str, 
     return Names(map_module_name, diffusers_module_name)
 
 
+class OwnedWeights(dict):
+    """A full-weight state dict whose tensors the sender gives up (it made them for this update: gathered, cast
+    copies, never read or written again by it), so an engine in the sender's process may keep them as its parameters
+    instead of copying them (`load_weights`). Another placement packs the state into buckets (`sync.buckets`): the
+    mark does not travel, and the receiver copies out of the buffers it was sent."""
+
+
 class WeightLoadError(ValueError):
     """Raised with every missing, unexpected, mis-shaped and refused tensor listed at once; nothing was applied."""
 
@@ -137,11 +144,23 @@ def expected_tensors(model: nn.Module, names: Names) -> dict[str, tuple[nn.Param
     return out
 
 
+def full_state(model: nn.Module, names: Names) -> dict[str, torch.Tensor]:
+    """Every engine weight under its diffusers tensor name: the parameter itself, or the rows of a packed one (a
+    view, no copy). What a full-weight update installed, read back (`sync.full_weights.weights_checksum`)."""
+    return {name: param[rows] if rows is not None else param
+            for name, (param, rows) in expected_tensors(model, names).items()}
+
+
+def subset(state_dict: dict[str, torch.Tensor], keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The entries of `state_dict` whose names `keep` takes, in a dict of the same kind (an `OwnedWeights` stays
+    one: its tensors may still be kept without a copy)."""
+    return type(state_dict)((k, v) for k, v in state_dict.items() if keep(k))
+
+
 @torch.no_grad()
-def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: Names) -> None:
-    """Copy a diffusers-format transformer state dict into the engine model (cast to the model's dtype).
-    Checks everything first, names, shapes and the values as the cast leaves them (a value finite in the file
-    but inf in bf16 is refused): on any problem nothing is copied and one error lists all problems."""
+def check_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: Names) -> None:
+    """`load_weights`' checks alone: WeightLoadError listing every problem, nothing applied (an engine of several
+    experts checks every expert's part before it loads any)."""
     expected = expected_tensors(model, names)
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
@@ -159,11 +178,30 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: N
     refused += [p for (name, _, dtype), r in zip(to_check, ranges) if (p := _value_problem(name, *r, dtype))]
     if missing or unexpected or mismatched or refused:
         raise WeightLoadError(missing, unexpected, mismatched, refused=refused)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: Names) -> None:
+    """Copy a diffusers-format transformer state dict into the engine model (cast to the model's dtype).
+    Checks everything first, names, shapes and the values as the cast leaves them (a value finite in the file
+    but inf in bf16 is refused): on any problem nothing is copied and one error lists all problems.
+
+    An `OwnedWeights` state (the sender gave its tensors up) is installed without a copy where
+    a tensor can *be* the parameter: same dtype, device and shape, contiguous, and not one slot of a packed weight
+    (the engine's one q/k/v GEMM reads the three diffusers tensors from one buffer, so those are copied in)."""
+    check_weights(model, state_dict, names)
+    expected = expected_tensors(model, names)
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.clear_lora()  # a full-weight update replaces the base weights; adapters do not carry over
+    owned = isinstance(state_dict, OwnedWeights)
     for name, (param, rows) in expected.items():
-        (param[rows] if rows is not None else param).copy_(state_dict[name])
+        t = state_dict[name]
+        if owned and rows is None and t.dtype == param.dtype and t.device == param.device \
+                and t.shape == param.shape and t.is_contiguous():
+            param.data = t
+        else:
+            (param[rows] if rows is not None else param).copy_(t)
 
 
 def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -247,7 +285,8 @@ def _adapter(layer: Linear, A: torch.Tensor, B: torch.Tensor, scale: float) -> L
     return LoraAdapter(A.to(w.device, w.dtype, copy=True), B.to(w.device, w.dtype, copy=True), scale)
 
 
-MERGE_MARGIN = 1 - 1e-3  # of the merged-weight bound below the dtype's range: room for fp32 rounding in the merge's sums
+# of the merged-weight bound below the dtype's range: room for fp32 rounding in the merge's sums
+MERGE_MARGIN = 1 - 1e-3
 
 
 def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:

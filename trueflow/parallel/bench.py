@@ -21,9 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..dtypes import torch_dtype
-from ..engine.weights import update_lora
-from ..models import get_family
-from ..patches import apply_patch_group
+from ..models.lora import update_lora
+from ..models import apply_patch_group, get_family
 from ..net import free_port
 from .comm import init_tp
 from .engine import apply_tp, tp_plan, update_lora_tp

@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.weights import lora_state, resolve_lora_merge
 from ..layers.linear import Linear
-from ..models import family_for_config
+from ..models import apply_patch_group, family_for_config
+from ..models.lora import lora_state, resolve_lora_merge
 from ..models.spec import ModelFamily
-from ..patches import apply_patch_group
 from ..sync.checksum import tensors_checksum
 from .comm import TPGroup, gather_cat
 from .linear import replace_module, sharded
@@ -143,7 +142,7 @@ def scatter_shards(plan: TPPlan, state_dict: dict[str, torch.Tensor] | None, tp:
 
 
 def _lora_names(family: ModelFamily, peft_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """PEFT tensors under the names `engine.weights.lora_state` reads them back with (`M.lora_A.weight`)."""
+    """PEFT tensors under the names `models.lora.lora_state` reads them back with (`M.lora_A.weight`)."""
     return {f"{m}.lora_{ab}.weight": t for m, pair in family.engine.parse_peft_state_dict(peft_state_dict).items()
             for ab, t in zip("AB", pair)}
 

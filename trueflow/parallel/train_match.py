@@ -4,8 +4,9 @@ in rank order (row-parallel, `comm.rank_order_sum`, the engine's order). Applied
 replacing the forward of its `nn.Linear` / PEFT LoRA layers; everything else stays diffusers' code.
 
 Attention runs over the engine's head groups: the processor of each attention module whose q projection is
-column-parallel calls diffusers' attention dispatch once per group of H/N heads (contiguous, as a rank hands its
-own q/k/v to the kernel), and concatenates the outputs along the heads. On the CPU's flash and math kernels a
+column-parallel calls diffusers' attention dispatch (or PyTorch's SDPA, for a processor that calls it itself) once per
+group of H/N heads (contiguous, as a rank hands its own q/k/v to the kernel), and concatenates the outputs along the
+heads. On the CPU's flash and math kernels a
 head's output does not depend on the other heads anyway (checked bit for bit); a GPU kernel chosen by shape
 (cuDNN's) might.
 """
@@ -67,35 +68,55 @@ def _row_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rank_order_sum(parts)
 
 
+class _Functional:
+    """`torch.nn.functional` with another `scaled_dot_product_attention`: what a processor module that calls
+    `F.scaled_dot_product_attention` itself finds as its `F` while its heads are grouped."""
+
+    def __init__(self, sdpa):
+        self.scaled_dot_product_attention = sdpa
+
+    def __getattr__(self, name: str):
+        return getattr(F, name)
+
+
+def _calls_sdpa(module: types.ModuleType) -> bool:
+    """Whether a processor's module reaches attention through diffusers' dispatch or PyTorch's SDPA (`F`) itself
+    (`JointAttnProcessor2_0`, SD3's), the two calls `_head_groups` can group."""
+    return hasattr(module, "dispatch_attention_fn") or getattr(module, "F", None) is F
+
+
 def _head_groups(processor, tp: int):
     """`processor` (diffusers' attention processor of a module whose heads are split) calling its attention once per
-    head group. The processor finds `dispatch_attention_fn` in its module's globals at call time, so the grouped
-    function stands in there for the duration of the call (the forward is single-threaded; a recompute under
-    gradient checkpointing calls the processor again)."""
+    head group. The processor finds `dispatch_attention_fn` (q/k/v [B, S, H, D], heads on dim 2), or `F` whose
+    `scaled_dot_product_attention` it calls itself (q/k/v [B, H, S, D], heads on dim 1), in its module's globals at
+    call time, so the grouped function stands in there for the duration of the call (the forward is single-threaded;
+    a recompute under gradient checkpointing calls the processor again)."""
     module = module_of(processor)
+    name, heads = ("dispatch_attention_fn", 2) if hasattr(module, "dispatch_attention_fn") else ("F", 1)
 
     base = type(processor)
 
     class HeadGroups(base):
         @functools.wraps(base.__call__)  # diffusers passes only the keywords the processor's signature names
         def __call__(self, *args, **kwargs):
-            dispatch = module.dispatch_attention_fn
+            original = getattr(module, name)
+            attend = original if name == "dispatch_attention_fn" else original.scaled_dot_product_attention
 
-            def grouped(query, key, value, *a, **kw):  # [B, S, H, D]: heads on dim 2, as the processor passes them
+            def grouped(query, key, value, *a, **kw):
                 masks = [kw.get("attn_mask")] * tp
-                if masks[0] is not None and masks[0].dim() == 4 and masks[0].shape[1] == query.shape[2] > 1:
+                if masks[0] is not None and masks[0].dim() == 4 and masks[0].shape[1] == query.shape[heads] > 1:
                     # a per-head mask [B, H, ., L] (LTX-2.3's text bias): each group its heads' rows, as a rank's own
                     masks = [m.contiguous() for m in masks[0].chunk(tp, dim=1)]
-                groups = zip(*(t.chunk(tp, dim=2) for t in (query, key, value)), masks)
-                return torch.cat([dispatch(q.contiguous(), k.contiguous(), v.contiguous(), *a,
-                                           **(kw | ({} if m is None else {"attn_mask": m})))
-                                  for q, k, v, m in groups], dim=2)
+                groups = zip(*(t.chunk(tp, dim=heads) for t in (query, key, value)), masks)
+                return torch.cat([attend(q.contiguous(), k.contiguous(), v.contiguous(), *a,
+                                         **(kw | ({} if m is None else {"attn_mask": m})))
+                                  for q, k, v, m in groups], dim=heads)
 
-            module.dispatch_attention_fn = grouped
+            setattr(module, name, grouped if name == "dispatch_attention_fn" else _Functional(grouped))
             try:
                 return super().__call__(*args, **kwargs)
             finally:
-                module.dispatch_attention_fn = dispatch
+                setattr(module, name, original)
 
     grouped_processor = HeadGroups.__new__(HeadGroups)
     grouped_processor.__dict__.update(processor.__dict__)  # the backend diffusers set on it, and the rest
@@ -118,9 +139,9 @@ def match_tp(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
                  for p in plan.unmatched(list(linears))]
     attentions = [mod for name, mod in modules.items()  # attention modules whose q projection is split by heads
                   if hasattr(mod, "processor") and hasattr(mod, "to_q") and plan.kind(f"{name}.to_q") == COLUMN]
-    problems += [f"attention processor {type(mod.processor).__name__} does not call diffusers' dispatch_attention_fn: "
-                 "its heads cannot be grouped as the engine's ranks" for mod in attentions
-                 if not hasattr(module_of(mod.processor), "dispatch_attention_fn")]
+    problems += [f"attention processor {type(mod.processor).__name__} calls neither diffusers' dispatch_attention_fn "
+                 "nor PyTorch's SDPA: its heads cannot be grouped as the engine's ranks" for mod in attentions
+                 if not _calls_sdpa(module_of(mod.processor))]
     if problems:
         raise ValueError("; ".join(problems))
     for name, kind in found:

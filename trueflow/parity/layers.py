@@ -21,7 +21,8 @@ class LayerDiff:
 
 
 def _tensors(out) -> tuple[torch.Tensor, ...]:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    """A module's tensor outputs; a None in a tuple (SD3's last block returns no text stream) is no output."""
+    return tuple(o for o in out if o is not None) if isinstance(out, (tuple, list)) else (out,)
 
 
 @contextmanager

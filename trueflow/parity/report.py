@@ -17,14 +17,16 @@ def format_result(spec: ProbeSpec, r: ProbeResult, max_layers: int = 12) -> str:
         + f"  text {spec.text_len}  {spec.resolution}px  {spec.dtype}  "
         f"LoRA rank {spec.lora_rank or '-'}  device {spec.device}" + (f"  expert {r.expert}" if spec.expert else "")
         + (f"  guided output (CFG {spec.cfg_scale})" if spec.cfg_scale > 1 else ""),
-        f"  patch group {r.patch_group}" + (f" (disabled: {', '.join(r.disabled_patches)})" if r.disabled_patches else ""),
+        f"  patch group {r.patch_group}"
+        + (f" (disabled: {', '.join(r.disabled_patches)})" if r.disabled_patches else ""),
         f"  attention: train {r.train_attention_backend}, engine {r.engine_attention_backend}",
         f"  model_output_max_abs_diff  {_fmt(r.model_output_max_abs_diff)}",
         f"  model_output_mean_abs_diff {_fmt(r.model_output_mean_abs_diff)}",
         f"  bitwise equal: {'yes' if r.bitwise_equal else 'no'}",
     ]
     if r.first_differing_module:
-        lines.append(f"  first differing module: {r.first_differing_module} (max abs diff {_fmt(r.first_differing_max_abs_diff)})")
+        lines.append(f"  first differing module: {r.first_differing_module} "
+                     f"(max abs diff {_fmt(r.first_differing_max_abs_diff)})")
         lines.append("  per-layer (train execution order, from the first difference):")
         start = next(i for i, row in enumerate(r.layers) if row.max_abs_diff > 0)
         for row in r.layers[start:start + max_layers]:
@@ -45,6 +47,7 @@ def format_ablation(results: list[ProbeResult]) -> str:
             label = f"without {r.disabled_patches[0]}"
         else:
             label = f"--patch-group {r.patch_group} (all patches)"
-        lines.append(f"  {label:45s} {_fmt(r.model_output_max_abs_diff):>12s} {_fmt(r.model_output_mean_abs_diff):>13s}  "
+        lines.append(f"  {label:45s} {_fmt(r.model_output_max_abs_diff):>12s} "
+                     f"{_fmt(r.model_output_mean_abs_diff):>13s}  "
                      f"{r.first_differing_module or '-'}")
     return "\n".join(lines)

@@ -16,14 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import loading
-from ..models import family_for_checkpoint, get_family, family_for_config
+from ..models import apply_patch_group, family_for_checkpoint, get_family, family_for_config
 from ..models.spec import ModelFamily
 from ..net import free_port
 from ..parallel.comm import init_tp
 from ..parallel.engine import (build_tp_engine_transformer, lora_shard_checksums, scatter_shards, tp_gate, tp_plan,
                                update_lora_tp)
 from ..parallel.train_match import match_tp
-from ..patches import apply_patch_group
 from .probe import ParityProbe, ProbeResult, ProbeSpec
 
 

@@ -235,7 +235,7 @@ class EngineClient:
                     self.stop.set()
                 dead = self._dead()  # any rank that died (its peers would wait in their next collective for ever)
                 if dead is not None:
-                    raise dead
+                    raise dead from None  # the empty poll is not the cause
         if status == "refused":
             raise EngineRequestRefused(value)
         if status == "reward_failed":

@@ -70,8 +70,9 @@ def run_ray(cfg: TrainConfig) -> Path:
 
 
 def _stopped(reason: str, out: Path) -> str:
-    return (f"{' '.join(reason.split())}; the run stopped, every actor with it; the checkpoints in {out} are "
-            "intact: --resume continues it")
+    from ..train.checkpoint import resume_point  # says so when no checkpoint was written yet
+
+    return f"{' '.join(reason.split())}; the run stopped, every actor with it; {resume_point(out)}"
 
 
 def _environment(own_cluster: bool, loopback: bool) -> None:

@@ -20,9 +20,11 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBytes, StrictInt, StrictStr, ValidationError, model_validator
 
 from .base import Reward, as_scores, build_reward
-from ..http import MSGPACK, server_config
+from ..http import MSGPACK, BodyTooLarge, read_body, server_config
 from .remote import pack_scores
 
+# A /score body's default bound: 64 images of 1024² RGB (192 MiB) and their prompts, with room to spare.
+MAX_BODY_BYTES = 256 << 20
 _Count = Annotated[StrictInt, Field(ge=0)]
 _Side = Annotated[StrictInt, Field(gt=0)]
 
@@ -135,7 +137,9 @@ class Batcher:
             start += len(ps)
 
 
-def create_app(reward: Reward, max_batch: int = 64, max_wait_ms: float = 5.0) -> FastAPI:
+def create_app(reward: Reward, max_batch: int = 64, max_wait_ms: float = 5.0,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The server of `reward`; a /score body past `max_body_bytes` is refused (413) before more of it is read."""
     batcher = Batcher(reward, max_batch, max_wait_ms)
 
     @asynccontextmanager
@@ -155,7 +159,9 @@ def create_app(reward: Reward, max_batch: int = 64, max_wait_ms: float = 5.0) ->
     @app.post("/score")
     async def score(request: Request) -> Response:
         try:
-            images, prompts = unpack_request(await request.body())
+            images, prompts = unpack_request(await read_body(request, max_body_bytes))
+        except BodyTooLarge as e:
+            raise HTTPException(413, str(e)) from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
         try:
@@ -170,9 +176,10 @@ def create_app(reward: Reward, max_batch: int = 64, max_wait_ms: float = 5.0) ->
 
 
 def serve(spec: str, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
-          device: str = "cpu", max_batch: int = 64, max_wait_ms: float = 5.0, url: str | None = None) -> None:
+          device: str = "cpu", max_batch: int = 64, max_wait_ms: float = 5.0, url: str | None = None,
+          max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Builds the reward once (`url`: for the terms that take one), then serves it until interrupted."""
     import uvicorn
 
-    app = create_app(build_reward(spec, model_path, device, url=url), max_batch, max_wait_ms)
+    app = create_app(build_reward(spec, model_path, device, url=url), max_batch, max_wait_ms, max_body_bytes)
     uvicorn.Server(server_config(app, host, port)).run()  # with header and body read deadlines (trueflow.http)

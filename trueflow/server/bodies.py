@@ -12,6 +12,7 @@ import msgpack
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from .. import http
 from ..engine.request import RolloutRequest
 from ..engine.sampling_params import SamplingParams
 from .errors import RequestError
@@ -169,14 +170,7 @@ def decode_body(data: bytes, fmt: str) -> Any:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) past `limit` bytes before more of it is read."""
-    too_big = RequestError(f"the body is larger than the {limit} bytes this endpoint takes", 413, code="too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await http.read_body(request, limit)
+    except http.BodyTooLarge as e:
+        raise RequestError(str(e), 413, code="too_large") from None

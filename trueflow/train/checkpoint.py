@@ -7,7 +7,9 @@ Layout of `OUTPUT_DIR/checkpoints/step-000012/`:
   pytorch_lora_weights_ema.safetensors  with --ema-decay: the EMA of the LoRA, same format
                                     (`load_lora_weights(dir, weight_name="pytorch_lora_weights_ema.safetensors")`)
   adapter_config.json               rank, alpha, target modules (PEFT's LoraConfig)
-  optimizer.pt                      the optimizer's full (unsharded) state dict, the lr scheduler's, the RNG states
+  optimizer.pt                      the optimizer's full (unsharded) state dict, the lr scheduler's, the RNG states;
+                                    with --async-rollouts also the LoRA masters (fp32) of the weight versions that
+                                    make the rollouts in flight (`train.async_rollouts`)
   trainer_state.json                step, rollout, metrics lines written, RNG states, settings
   COMPLETE                          written last; a folder without it is ignored on resume
 A family of several experts (Wan2.2-A14B: `transformer`, `transformer_2`) writes the first expert's LoRA as above
@@ -49,7 +51,7 @@ from ..models.spec import ModelFamily, expert_prefix, split_by_expert
 from .dist import DistContext, all_gather_object
 from .model import LoraSpec
 from .policy import lora_full_state, optimizer_module, set_lora_state
-from .schedule import LoraEMA
+from .schedule import WeightsEMA
 
 TMP_PREFIX = ".tmp-"  # a checkpoint being written or pruned: never read, removed by the next save
 
@@ -86,7 +88,8 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                    cached),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
@@ -101,18 +104,19 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[str, torch.Tensor],
                     adapter_config: dict, optimizer_state: dict, trainer_state: dict, scheduler: dict | None = None,
                     ema: dict[str, torch.Tensor] | None = None, experts: Sequence[str] = ("transformer",),
-                    keep: int = 0) -> Path:
+                    keep: int = 0, extra_state: dict | None = None) -> Path:
     """Rank 0 only. The LoRA files are written by the family's diffusers pipeline class. `scheduler`: the lr
     scheduler's state dict; `ema`: the EMA of the LoRA (fp32); `experts`: the checkpoint's experts, in order (the
     LoRA's names are `spec.expert_prefix`ed: each trained expert gets its own files); `keep` > 0: prune all but the
-    `keep` newest complete checkpoints (`prune`). Returns the checkpoint folder. Any write error (a full disk) raises
+    `keep` newest complete checkpoints (`prune`); `extra_state`: more entries of optimizer.pt (tensors and plain
+    values). Returns the checkpoint folder. Any write error (a full disk) raises
     CheckpointWriteError with the folder as it was before the call: no temporary folder left, the previous
     checkpoints untouched."""
     ckpts = root / "checkpoints"
     final = ckpts / f"step-{step:06d}"
     tmp = ckpts / f"{TMP_PREFIX}step-{step:06d}"
     remove_leftovers(ckpts)  # a killed or failed save's temporary folder would hold its share of the disk
-    extra = {"optimizer": optimizer_state, "rng": rng_state()}
+    extra = {"optimizer": optimizer_state, "rng": rng_state(), **(extra_state or {})}
     if scheduler is not None:
         extra["scheduler"] = scheduler
     renamed, failure = False, None
@@ -229,9 +233,11 @@ def resume_point(root: str | Path) -> str:
     return f"its last checkpoint is intact ({latest}): --resume continues from it"
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, dict]:
     """(LoRA fp32 masters by PEFT name, optimizer+rng(+scheduler) state with the EMA of the LoRA under "ema" when
-    saved, trainer state). A missing or damaged file raises CheckpointError."""
+    saved, trainer state). A missing or damaged file raises CheckpointError. A full-parameter run's checkpoint
+    (`full_checkpoint`) gives (None, its scheduler and RNG states, trainer state): its shards load into the built
+    models."""
     missing = [f for f in ("optimizer.pt", "trainer_state.json", COMPLETE) if not (path / f).is_file()]
     try:
         state = json.loads((path / "trainer_state.json").read_text()) if "trainer_state.json" not in missing else {}
@@ -239,6 +245,12 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
             raise ValueError("trainer_state.json holds no JSON object")
     except Exception as e:  # noqa: BLE001 - whatever the damage, the folder cannot be resumed from
         raise _unreadable(path, e) from None
+    if state.get("full"):  # a full-parameter run's: DCP shards, loaded into the built models
+        from .full_checkpoint import read
+
+        if COMPLETE in missing:
+            raise CheckpointError(f"checkpoint {path} is incomplete (missing COMPLETE)")
+        return None, read(path, state), state
     # Each trained expert's files (a one-expert checkpoint: LORA_FILE alone).
     experts = state.get("experts", ["transformer"])
     trained = [k for k, e in enumerate(experts) if e in state.get("lora_experts", experts)]
@@ -285,11 +297,12 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] 
 
 
 def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str, torch.nn.Module],
-                  optimizer: torch.optim.Optimizer, scheduler, ema: LoraEMA | None, lora_spec: LoraSpec, step: int,
-                  rollout: int, metrics_lines: int | None, config: dict) -> None:
+                  optimizer: torch.optim.Optimizer, scheduler, ema: WeightsEMA | None, lora_spec: LoraSpec, step: int,
+                  rollout: int, metrics_lines: int | None, config: dict, extra_state: dict | None = None) -> None:
     """A training checkpoint at `step`: the LoRA of `models` (expert name -> policy, in order), `optimizer`, the
-    lr `scheduler`, the `ema`, the RNGs and the trainer state (`rollout`s done, `metrics_lines` written, the
-    settings). Every rank takes part (the full states are collectives); rank 0 writes."""
+    lr `scheduler`, the `ema`, the RNGs, the trainer state (`rollout`s done, `metrics_lines` written, the
+    settings) and `extra_state` (unsharded; `load_checkpoint` gives it back in its extra). Every rank takes part
+    (the full states are collectives); rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     lora = lora_full_state(models)
@@ -306,7 +319,7 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
         try:
             save_checkpoint(family, root, step, lora, lora_spec.peft_config().to_dict(), optim, trainer_state,
                             scheduler=scheduler.state_dict(), ema=ema_state, experts=experts,
-                            keep=config.get("keep_checkpoints") or 0)
+                            keep=config.get("keep_checkpoints") or 0, extra_state=extra_state)
         except CheckpointWriteError as e:
             failure = str(e)
     if ctx.world > 1:  # also the barrier: no rank runs on past a checkpoint that rank 0 could not write
@@ -317,7 +330,7 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
 
 def restore_training(resumed: tuple[Path, dict[str, torch.Tensor], dict, dict],
                      models: Mapping[str, torch.nn.Module], named_params: dict[str, torch.nn.Parameter],
-                     optimizer: torch.optim.Optimizer, scheduler, ema: LoraEMA | None) -> dict:
+                     optimizer: torch.optim.Optimizer, scheduler, ema: WeightsEMA | None) -> dict:
     """Put what `load_latest` read back into the LoRA, the optimizer, the lr scheduler, the EMA and the RNGs;
     return the saved trainer state (step, rollout, metrics_lines, ...)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -334,6 +347,6 @@ def restore_training(resumed: tuple[Path, dict[str, torch.Tensor], dict, dict],
         if "ema" not in extra:
             raise ValueError(f"--resume: {path} holds no EMA of the LoRA; resume with the run's --ema-decay "
                              "(0), or start a new --output-dir")
-        set_lora_state(ema.shadow, extra["ema"])
+        ema.load_full(extra["ema"])
     set_rng_state(extra["rng"])
     return state

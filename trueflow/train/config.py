@@ -70,7 +70,8 @@ class TrainConfig(BaseModel):
                                   "model_index.json names none (default: the checkpoint's, else qwen_image)", "model",
                             min_length=1)
     dtype: Literal["bf16", "fp32"] = _f("bf16", "compute dtype", "model")
-    use_lora: bool = _f(True, "train a LoRA (full fine-tuning is not implemented)", "model")
+    use_lora: bool = _f(True, "train a LoRA; --no-use-lora trains every weight of the trained experts (fp32 "
+                              "masters, FSDP2-sharded; docs/training.md, Full-parameter training)", "model")
     lora_rank: int = _f(8, "LoRA rank", "model", ge=1)
     lora_alpha: float | None = _f(None, "LoRA alpha (default: the rank)", "model", gt=0, le=1e4)
     lora_target_modules: list[str] | None = _f(None, "LoRA target modules (default: the model family's)", "model",
@@ -107,10 +108,10 @@ class TrainConfig(BaseModel):
                                                       "guidance_scale; default: the family's)", "rollout", ge=0,
                                                 le=CFG_SCALE_MAX)
     negative_prompt: str | None = _f(None, "negative prompt of the CFG branch (default: the family's: ' ' for "
-                                           "Qwen-Image; none for FLUX.1, whose pipeline runs no CFG without one)",
-                                     "rollout")
-    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 pads "
-                                       "T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
+                                           "Qwen-Image, '' for SD3; none for FLUX.1, whose pipeline runs no CFG "
+                                           "without one)", "rollout")
+    max_sequence_length: int = _f(512, "text tokens of a prompt: the pipeline's `max_sequence_length` (FLUX.1 and "
+                                       "SD3 pad T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
@@ -142,6 +143,12 @@ class TrainConfig(BaseModel):
                                            "steps too, against a kept copy of the rolled-out LoRA (an extra "
                                            "forward per micro-batch); else those steps report it as null",
                                     "algorithm")
+    async_rollouts: int = _f(0, "roll out N rollouts ahead of training (1: one step off): rollout k is made with "
+                                "the weights of step k - N while the trainer trains, and trained with the decoupled "
+                                "PPO objective; needs the engine outside the trainer's process (0: synchronous)",
+                             "algorithm", ge=0, le=64)
+    async_is_cap: float = _f(2.0, "--async-rollouts: the cap of the behaviour importance weight min(cap, pi/mu) "
+                                  "(V-trace's rho-bar)", "algorithm", ge=1, le=1e6)
     # optim
     # AdamW's decoupled decay scales a weight by 1 - lr·weight_decay: both at most 1 keep it in [0, 1].
     lr: float = _f(3e-3, "AdamW learning rate", "optim", ge=0, le=1)
@@ -153,6 +160,10 @@ class TrainConfig(BaseModel):
     ema_decay: float = _f(0.0, "EMA of the LoRA (0: off); checkpoints keep it and sample grids show it too",
                           "optim", ge=0, lt=1)
     max_grad_norm: float = _f(1.0, "gradient clipping norm", "optim", gt=0, le=1e6)
+    optimizer: Literal["adamw", "adamw_bf16"] = _f(
+        "adamw", "adamw (fp32 moments) or adamw_bf16 (moments stored in bf16: half the optimizer state; "
+        "train/optim.py)", "optim")
+    ema_offload: bool = _f(False, "keep the EMA (--ema-decay) in CPU memory, each rank its shards", "optim")
     debug_skip_optimizer_step: bool = _f(False, "compute everything but do not step the optimizer", "optim")
     # parallel
     device: str = _f("cpu", "torch device", "parallel")
@@ -182,6 +193,9 @@ class TrainConfig(BaseModel):
                                                               "parallel")
     micro_batch_size_sample: int = _f(4, "samples per train micro-batch", "parallel", ge=1)
     micro_batch_size_tstep: int = _f(1, "denoising steps per train micro-batch", "parallel", ge=1)
+    gpu_memory_gib: float | None = _f(
+        None, "plan the run's memory against GPUs of this many GiB (default on CUDA: the device's; on CPU: no plan)",
+        "parallel", gt=0)
     pad_text_to: int | None = _f(None, "pad train text to this many tokens (a whole-window pad; breaks parity)",
                                  "parallel", ge=1)
     # checkpoint
@@ -270,7 +284,14 @@ class TrainConfig(BaseModel):
                 errors.append(f"--sde-window {lo},{hi} must satisfy 0 <= lo < hi <= --steps ({self.steps}) and "
                               f"hold --num-sde-steps ({self.num_sde_steps}) steps")
         if not self.use_lora:
-            errors.append("--no-use-lora: full fine-tuning is not implemented; train a LoRA")
+            if self.kl_beta:
+                errors.append("--no-use-lora with --kl-beta: the KL reference of a full fine-tune needs a frozen copy "
+                              "of the base model, which is not implemented; set --kl-beta 0, or train a LoRA")
+            if self.lora_merge_mode == "merged":
+                errors.append("--lora-merge-mode merged: a full fine-tune sends no LoRA; drop it")
+            if self.tp > 1:
+                errors.append(f"--no-use-lora with --tp {self.tp}: a tensor-parallel engine takes no full-weight "
+                              "updates; run the engine at --tp 1")
         if self.train_tp_match is not None and self.train_tp_match != self.tp:
             errors.append(f"--train-tp-match {self.train_tp_match} must equal --tp {self.tp}: the train side computes "
                           "each sharded layer as the engine's ranks do")
@@ -311,10 +332,32 @@ class TrainConfig(BaseModel):
                 errors.append("--algorithm nft is KL-free: set --kl-beta 0")
             if self.ratio_norm != "none":
                 errors.append("--ratio-norm applies to --algorithm grpo (nft has no likelihood ratio)")
+        errors += self._async_errors()
         total = self.num_rollouts * self.num_steps_per_rollout
         if self.lr_warmup_steps and self.lr_warmup_steps >= total:
             errors.append(f"--lr-warmup-steps {self.lr_warmup_steps} must be less than the run's optimizer steps "
                           f"({total} = --num-rollouts x --num-steps-per-rollout)")
+        return errors
+
+    def _async_errors(self) -> list[str]:
+        n = self.async_rollouts
+        if not n:
+            return []
+        errors = []
+        if not (self.engine_process or self.engine_url or self.ray):
+            errors.append(f"--async-rollouts {n} overlaps the engine's rollout with training: run the engine outside "
+                          "the trainer's process (--engine-process, --engine-url or --ray); the in-process engine "
+                          "shares the trainer's process and devices")
+        if self.num_steps_per_rollout > 1:
+            errors.append(f"--async-rollouts {n} takes --num-steps-per-rollout 1: its proximal policy is the policy "
+                          "before the step, free on a rollout's one step (a later step would need another forward)")
+        if n > 1 and self.ray and (self.train_gpus or 1) > 1:
+            errors.append(f"--async-rollouts {n} with {self.train_gpus} disaggregated --ray trainer ranks: rank 0 "
+                          "broadcasts each update to every engine when it sends it, so one rollout at most may run "
+                          "ahead; use --async-rollouts 1")
+        if not self.use_lora:
+            errors.append(f"--async-rollouts {n} keeps the trained weights of every rollout in flight: a LoRA's, "
+                          "not a whole transformer's; drop --no-use-lora or --async-rollouts")
         return errors
 
     def ray_ranks(self) -> tuple[int, int]:
@@ -386,7 +429,7 @@ class TrainConfig(BaseModel):
         import torch
 
         from ..engine.guidance import check_guidance, check_negative_prompt
-        from ..patches import get_group
+        from ..models import get_group
         from .prompts import load_prompts
 
         load_prompts(self.prompts)
@@ -458,7 +501,7 @@ class TrainConfig(BaseModel):
         pair)."""
         fam, group, backend = self._family_choices()
         if group in fam.patch_groups and backend != fam.train.parity_backend:
-            from ..patches import get_group
+            from ..models import get_group
 
             paired = f"{group}:{backend}"
             try:
@@ -477,8 +520,9 @@ class TrainConfig(BaseModel):
             out.append("--patch-group none: the engine runs its fast numerics, so train/rollout parity is not "
                        f"bitwise (use --patch-group {next(iter(fam.patch_groups))})")
         if self.tp > 1 and self.train_tp_match != self.tp:
-            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel forward sums each row-parallel "
-                       "layer's shards, which the stock train side does not (docs/tensor-parallel.md)")
+            out.append(f"condition 6: --tp {self.tp} without --train-tp-match {self.tp}: the engine's tensor-parallel "
+                       "forward sums each row-parallel layer's shards, which the stock train side does not "
+                       "(docs/tensor-parallel.md)")
         if self.disable_patch:
             out.append(f"--disable-patch {', '.join(self.disable_patch)}: parity is not bitwise without it")
         # Later steps train on moved weights by design; what condition 1 guards is the measured mismatch. With
@@ -540,10 +584,12 @@ class TrainConfig(BaseModel):
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
                                "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
-                               "reward_placement", "gradient_checkpointing", "ray", "world_size", "ray_address",
+                               "reward_placement", "gradient_checkpointing", "gpu_memory_gib", "ray", "world_size",
+                               "ray_address",
                                "rollout_gpus", "train_gpus"})
-RESUME_WARNS = frozenset({"device"})
-FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")  # None: the family's  # allowed, but the numerics of another device differ in the last bits
+RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
+# None: the family's
+FAMILY_DEFAULTS = ("lora_target_modules", "fsdp_attention_backend", "rollout_patch_group", "negative_prompt")
 
 
 def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]:

@@ -7,7 +7,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     import torch
 
 # Wall-clock values, which vary run to run (a comparison of two runs' records leaves them out): the phases' seconds
-# and when the record was written (ISO 8601, UTC).
-TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "timestamp")
+# and when the record was written (ISO 8601, UTC); time_wait: how long an --async-rollouts step waited for its rollout.
+TIMING_KEYS = ("time_rollout", "time_reward", "time_train", "time_sync", "time_wait", "timestamp")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def step_record(step: int, rollout: int, step_in_rollout: int, scored: torch.Ten
     the samples the reward skipped; `train`: the optimizer step's metrics; `sync`: the LoRA sync's checksums and
     time; `times`: the rollout's and reward's. Scripts read these names: keep them. `timestamp`: when the record was
     made, ISO 8601 in UTC."""
-    return {"timestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+    return {"timestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
             "step": step, "rollout": rollout, "step_in_rollout": step_in_rollout,
             "reward_mean": _mean(scored), "reward_std": _std(scored),
             "dropped_samples": dropped, **train,

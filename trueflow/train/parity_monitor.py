@@ -3,7 +3,8 @@
 The train/rollout mismatch (`model_output_*`, `log_prob_max_abs_diff`, `ratio_mean`, `ratio_max_abs_dev_from_1`)
 compares the train forward at the weights the engine rolled out with to the engine's records: on a rollout's first
 step those are the current weights; on its later steps the policy has moved, so the mismatch is null there unless
-`parity_on_every_step` measures it against a kept copy of the rolled-out LoRA. The policy's own change since the
+`parity_on_every_step` measures it against a kept copy of the rolled-out LoRA. A rollout made by older weights
+(`--async-rollouts`) is measured against their kept copy at every step. The policy's own change since the
 rollout (`policy_*`) is the current policy against the engine's log-probs, at every step."""
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def keep_rolled_out(named_params: dict[str, torch.nn.Parameter], parity_on_every
 class ParityMonitor:
     """One optimizer step's measurements, over its micro-batches and every rank."""
 
-    def __init__(self, step_in_rollout: int, kept: dict[str, torch.Tensor] | None):
-        """`kept`: the rolled-out LoRA masters (`keep_rolled_out`), or None."""
-        self.first = step_in_rollout == 0  # the current weights are the rolled-out ones
+    def __init__(self, current_rolled_out: bool, kept: dict[str, torch.Tensor] | None):
+        """`current_rolled_out`: the current weights are the ones the engine rolled out with (a rollout's first
+        step, synchronously); `kept`: else the rolled-out LoRA masters (`keep_rolled_out`, or an async rollout's
+        version), or None."""
+        self.first = current_rolled_out
         self.kept = kept
         self.mismatch = _Mismatch() if self.first or kept is not None else None
         self.policy = _Mismatch()

@@ -1,5 +1,5 @@
-"""The policy being trained: the model family's diffusers transformer + a PEFT LoRA, sharded with FSDP2 under the precision
-contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
+"""The policy being trained: the model family's diffusers transformer + a PEFT LoRA, sharded with FSDP2 under the
+precision contract (docs/precision.md): LoRA masters in fp32, bf16 compute copies made by FSDP2's mixed precision, the
 frozen base stored as its bf16 compute copy (value-identical to casting fp32 masters each step, half the memory).
 The model itself knows nothing of parallelism; `shard` applies FSDP2 to the built model.
 
@@ -80,8 +80,14 @@ def optimizer_module(models: Mapping[str, nn.Module]) -> nn.Module:
 def lora_full_state(models: Mapping[str, nn.Module], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Unsharded LoRA tensors (a collective: every rank calls it), named as `lora_parameters`. With `dtype` = the
     compute dtype these are exactly the compute copies the forward used — what the engine must receive."""
+    return full_state(lora_parameters(models), dtype)
+
+
+@torch.no_grad()
+def full_state(params: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """`lora_full_state` of masters given by name (live parameters or a kept copy of them, sharded as they are)."""
     out = {}
-    for name, p in lora_parameters(models).items():
+    for name, p in params.items():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         out[name] = full.to(dtype) if dtype is not None else full.clone()
     return out

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..placement import EngineSpec, Placement, RewardSpec, build_engine
 from . import checkpoint as ckpt
+from . import memory
 from .config import TrainConfig, resume_changes
 from .dist import init_distributed
 from .lock import holding_run_lock, lock_run_folder
@@ -22,7 +23,8 @@ DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
     """The default checkpoint: made once (of `cfg.family`, else the default family), so `trueflow train` runs with
     no arguments."""
-    if is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "model_index.json").is_file():
+    if (is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT
+            and not (DEFAULT_CHECKPOINT / "model_index.json").is_file()):
         from ..checkpoints import init_checkpoint
 
         init_checkpoint(DEFAULT_CHECKPOINT, family=cfg.family, seed=0, overwrite=True)
@@ -36,6 +38,8 @@ def _check_before_loading(cfg: TrainConfig) -> tuple | None:
     if cfg.checkpoint is None:
         cfg.checkpoint = str(DEFAULT_CHECKPOINT)
     _check_schedule(cfg)
+    # A full-parameter setting that cannot fit its GPUs is refused here, from the checkpoint's headers alone.
+    memory.check_fits(cfg, cfg.ray_ranks()[0] if cfg.ray else int(os.environ.get("WORLD_SIZE", 1)))
     out = Path(cfg.output_dir)
     if cfg.resume is True and not out.exists():
         raise FileNotFoundError(f"--resume: no folder {out} to continue (--resume auto starts afresh there)")

@@ -6,7 +6,8 @@ with rewards), rolls out its contiguous share of the rollout's prompts, and trai
 rewards cross ranks (all-gathered before the group advantages), so no rollout is sent anywhere.
 
 Beside it: the train/rollout parity and the policy's change (`parity_monitor`), checkpoints (`checkpoint`), the
-metrics line of each optimizer step (`metrics`)."""
+metrics line of each optimizer step (`metrics`), and with `--async-rollouts` the rollouts made ahead of training
+(`async_rollouts`)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,20 @@ from ..engine.interface import RolloutRequest
 from ..models import checkpoint_experts
 from ..rewards.base import RewardError
 from ..rl.advantages import group_advantages
+from ..rl.decoupled import decoupled_surrogate, proximal_ratio, truncated_is_weight
 from ..rl.grpo_guard import normalized_ratio, step_weight
 from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from . import checkpoint as ckpt
+from . import full, full_checkpoint
+from .async_rollouts import CHECKPOINT_KEY, AsyncRollouts, Behaviour, ImportanceWeights
 from .batch import TrainBatch, assemble, split_by_expert
 from .config import TrainConfig
 from .dist import DistContext, all_gather_object, all_reduce
 from .metrics import MetricsWriter, WandbSettings, step_record
 from .model import LoraSpec, train_forward
+from .optim import make_optimizer
 from .pairs import micro_batches, train_order
 from .parity_monitor import ParityMonitor, keep_rolled_out
 from .policy import build_policy, lora_full_state, lora_parameters
@@ -46,7 +51,7 @@ from .prompts import load_prompts
 if TYPE_CHECKING:
     from ..engine.interface import RolloutEngine
 from .report import write_sample_grid, write_summary
-from .schedule import LoraEMA, lr_scheduler
+from .schedule import WeightsEMA, lr_scheduler
 
 
 @dataclass
@@ -77,33 +82,43 @@ class Trainer:
             raise ValueError(f"--lora-experts {', '.join(unknown)}: not an expert of {cfg.checkpoint} (its experts: "
                              f"{', '.join(self.experts)})")
         self.trained = set(cfg.lora_experts or self.experts)
-        self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=tuple(cfg.lora_target_modules))
-        self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
-                                       self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing, subfolder=e)
-                       for k, e in enumerate(self.experts)}
+        self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                  target_modules=tuple(cfg.lora_target_modules))
+        if cfg.use_lora:
+            self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
+                                           self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing,
+                                           subfolder=e) for k, e in enumerate(self.experts)}
+        else:  # every weight of the trained experts (`full`)
+            self.models = {e: full.build_full_policy(self.family, cfg.checkpoint, e in self.trained, self.dtype,
+                                                     ctx.device, cfg.gradient_checkpointing, subfolder=e)
+                           for e in self.experts}
         if cfg.train_tp_match:  # each sharded layer as the engine's tensor-parallel ranks compute it
             from ..parallel.engine import tp_plan
             from ..parallel.train_match import match_tp
 
             for model in self.models.values():
                 match_tp(model, tp_plan(self.family, cfg.train_tp_match), cfg.train_tp_match)
-        self.named_params = lora_parameters(self.models)
+        self.named_params = lora_parameters(self.models) if cfg.use_lora else full.full_parameters(self.models)
         self.params = list(self.named_params.values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg.optimizer, cfg.lr, cfg.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, cfg.num_rollouts * cfg.num_steps_per_rollout,
                                       cfg.lr_warmup_steps, cfg.lr_schedule)
-        self.ema = LoraEMA(self.named_params, cfg.ema_decay) if cfg.ema_decay else None
+        self.ema = WeightsEMA(self.named_params, cfg.ema_decay, cfg.ema_offload) if cfg.ema_decay else None
         self.state = StepState()
         self.saved_step: int | None = None
         keep = None
         if cfg.resume:  # nothing saved yet: start over, dropping any metrics of the killed run
             keep = 0
             if resumed is not None:
-                saved = ckpt.restore_training(resumed, self.models, self.named_params, self.optimizer, self.scheduler,
-                                              self.ema)
+                restore = ckpt.restore_training if cfg.use_lora else full_checkpoint.restore
+                saved = restore(resumed, self.models, self.named_params, self.optimizer, self.scheduler, self.ema)
                 self.state = StepState(step=saved["step"], rollout=saved["rollout"])
                 self.saved_step = saved["step"]
                 keep = saved["metrics_lines"]
+        # With --async-rollouts, the rollouts in flight and the weight versions that make them (a resumed run's from
+        # its checkpoint); the first rollouts start with `run`.
+        self.ahead = AsyncRollouts(self, resumed[2].get(CHECKPOINT_KEY) if resumed else None) \
+            if cfg.async_rollouts else None
         wandb = WandbSettings(cfg.wandb_project, cfg.wandb_name, self.out, cfg.to_dict()) if cfg.wandb else None
         self.metrics = MetricsWriter(self.out / "metrics.jsonl",
                                      self.out / "tensorboard" if cfg.tensorboard else None,
@@ -116,13 +131,24 @@ class Trainer:
         the trainer's checksum, rank 0's engine's, whether every engine holds the trainer's LoRA, and the time
         taken (the slowest rank's)."""
         t0 = time.perf_counter()
-        state = lora_full_state(self.models, self.dtype)  # a collective: every rank takes part
-        engine_sum = self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
-        trainer_sum = tensors_checksum(state)
+        state = self._engine_state()  # a collective: every rank takes part
+        engine_sum = self.engine.update_weights(state, *self._update_args())
+        trainer_sum = tensors_checksum(state) if self.cfg.use_lora else full.state_checksum(state)
         sums = all_gather_object(engine_sum)
         took = all_reduce({"time_sync": time.perf_counter() - t0}, dist.ReduceOp.MAX)
         return {"trainer_checksum": trainer_sum, "engine_checksum": sums[0],
                 "checksums_equal": all(s == trainer_sum for s in sums), **took}
+
+    def _engine_state(self, ema: WeightsEMA | None = None) -> dict[str, torch.Tensor]:
+        """What the engine runs: the LoRA's compute copies, or every weight's (`full.compute_state`); `ema`: its
+        averages in place of the trained masters."""
+        if self.cfg.use_lora:
+            return lora_full_state(self.models, self.dtype) if ema is None else ema.full_state(self.dtype)
+        return full.compute_state(self.models, self.family, self.dtype, ema)
+
+    def _update_args(self) -> tuple:
+        """(lora_scale, merge_mode) of an update: a full-weight update has no scale."""
+        return (self.lora_spec.scale, self.cfg.lora_merge_mode) if self.cfg.use_lora else (None, None)
 
     # -- one rollout and its optimizer steps ---------------------------------------------------------------------
     def _share(self) -> tuple[int, int]:
@@ -130,20 +156,29 @@ class Trainer:
         count = self.cfg.rollout_batch_size // self.ctx.world
         return self.ctx.rank * count, count
 
-    def _rollout(self, index: int):
-        """This rank's share of rollout `index`, scored by its engine; the whole rollout's rewards (all ranks',
-        prompt-major), its dropped samples (global indices) and its times (the slowest rank's)."""
+    def _request(self, index: int) -> RolloutRequest:
+        """This rank's share of rollout `index`."""
         cfg = self.cfg
         prompts = [self.prompts[(index * cfg.rollout_batch_size + i) % len(self.prompts)]
                    for i in range(cfg.rollout_batch_size)]
         first, count = self._share()
-        request = RolloutRequest(prompts[first:first + count], cfg.n_samples_per_prompt, self.sampling_params(),
-                                 cfg.seed * 1_000_003 + index, first, record_snapshot=cfg.debug)
+        return RolloutRequest(prompts[first:first + count], cfg.n_samples_per_prompt, self.sampling_params(),
+                              cfg.seed * 1_000_003 + index, first, record_snapshot=cfg.debug)
+
+    def _rollout(self, index: int):
+        """This rank's share of rollout `index`, scored by its engine; the whole rollout's rewards (all ranks',
+        prompt-major), its dropped samples (global indices) and its times (the slowest rank's)."""
         rollout = failure = None
         try:
-            rollout = self.engine.rollout(request)
+            rollout = self.engine.rollout(self._request(index))
         except RewardError as e:  # every rank stops, not only the one whose reward failed
             failure = (e.reward, e.prompts, e.reason)
+        return self._gathered(index, rollout, failure)
+
+    def _gathered(self, index: int, rollout, failure: tuple | None):
+        """`_rollout`'s answer from this rank's rollout (or its reward's failure): a collective, every rank in step."""
+        cfg = self.cfg
+        _, count = self._share()
         shares = all_gather_object(failure if failure else (rollout.rewards.cpu(), rollout.dropped))
         failed = next((s for s in shares if isinstance(s[0], str)), None)
         if failed:
@@ -208,7 +243,14 @@ class Trainer:
             r = optimality(b.advantages, cfg.adv_clip_max)
             return nft_loss(guided, b.engine_guided, x0, noise, b.sigma, r, cfg.nft_beta,
                             cfg.nft_adaptive_weight).mean(), None
-        if cfg.ratio_norm == "grpo_guard":  # the rollout policy's mean, from its recorded guided output
+        if cfg.async_rollouts:  # the decoupled objective (`rl.decoupled`): the trust region around the policy
+            # before the step (π_prox, the current forward held fixed), the engine's log-prob (μ) in the weight
+            weight = step_weight(b.sigma_next - b.sigma) if cfg.ratio_norm == "grpo_guard" else None
+            ratio = normalized_ratio(log_prob, log_prob.detach(), mean, mean.detach(), std) if weight is not None \
+                else proximal_ratio(log_prob)
+            loss, stats = decoupled_surrogate(ratio, b.advantages, cfg.clip_range,
+                                              truncated_is_weight(log_prob, b.old_log_prob, cfg.async_is_cap), weight)
+        elif cfg.ratio_norm == "grpo_guard":  # the rollout policy's mean, from its recorded guided output
             with torch.no_grad():
                 _, old_mean, _ = self._log_prob(b, b.engine_guided)
             ratio = normalized_ratio(log_prob, b.old_log_prob, mean, old_mean, std)
@@ -218,9 +260,10 @@ class Trainer:
         return loss, stats.clip_frac
 
     def _train_step(self, rollout, advantages: torch.Tensor, step_in_rollout: int,
-                    kept: dict[str, torch.Tensor] | None) -> dict:
+                    kept: dict[str, torch.Tensor] | None, behaviour: Behaviour | None = None) -> dict:
         """One optimizer step on the rollout. `kept`: the LoRA masters the engine rolled out with, to measure the
-        mismatch on a later step (`parity_on_every_step`)."""
+        mismatch on a later step (`parity_on_every_step`) or on a stale rollout; `behaviour`: what made an
+        `--async-rollouts` rollout."""
         cfg, ctx = self.cfg, self.ctx
         sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
         samples = train_order(sizes, cfg.train_dp_split_mode)
@@ -236,8 +279,10 @@ class Trainer:
             guided = self._guided(b)
             return b, guided, self._log_prob(b, guided)[0]
 
-        parity = ParityMonitor(step_in_rollout, kept)
+        parity = ParityMonitor(step_in_rollout == 0 if behaviour is None else behaviour.kept is None, kept)
         parity.measure_rolled_out(self.named_params, batches, rolled_out_forward)
+        weights = ImportanceWeights(cfg.async_is_cap, cfg.clip_range) \
+            if behaviour is not None and cfg.algorithm == "grpo" else None
         sums = {"clipped": 0.0, "loss_sum": 0.0, "kl_sum": 0.0}
         for rows in batches:
             b = batch(rows)
@@ -257,6 +302,8 @@ class Trainer:
                 (loss / len(batches)).backward()
             with torch.no_grad():
                 parity.add(b, guided, log_prob)
+                if weights is not None:
+                    weights.add(log_prob, b.old_log_prob)
                 sums["clipped"] += (clip_frac or 0.0) * len(rows)
                 sums["loss_sum"] += loss.item()
                 sums["kl_sum"] += kl.item()
@@ -264,15 +311,18 @@ class Trainer:
         sums = all_reduce(sums, dist.ReduceOp.SUM)
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        before = lora_full_state(self.models)
+        before = lora_full_state(self.models) if cfg.use_lora else full.UpdateNorm(self.named_params)
         if not cfg.debug_skip_optimizer_step:
             self.optimizer.step()
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update(self.named_params)
         self.optimizer.zero_grad(set_to_none=True)
-        after = lora_full_state(self.models)
-        update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
+        if cfg.use_lora:
+            after = lora_full_state(self.models)
+            update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
+        else:
+            update = before()
         n_batches = len(batches) * ctx.world
         return {
             **parity_metrics,
@@ -282,45 +332,68 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
             "lora_update_norm": update,
+            **(weights.reduce() if weights is not None else {}),
         }
 
     # -- the run -------------------------------------------------------------------------------------------------
     def run(self) -> None:
+        if self.ahead is None:
+            return self._loop()
+        try:
+            self.ahead.start()
+            self._loop()
+        finally:  # also when the run stops on an error: the rollout in flight stops, the thread ends
+            self.ahead.close()
+
+    def _loop(self) -> None:
         cfg = self.cfg
-        bar = tqdm(total=cfg.num_rollouts, initial=self.state.rollout, unit="rollout", disable=not self.ctx.is_main,
-                   desc="train")
-        while self.state.rollout < cfg.num_rollouts:
-            index = self.state.rollout
-            rollout, rewards, dropped, times = self._rollout(index)
-            # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
-            scored = rewards[~torch.isnan(rewards)]
-            first, count = self._share()
-            n = cfg.n_samples_per_prompt
-            advantages = group_advantages(rewards, n, cfg.adv_clip_max, cfg.global_std)[first * n:(first + count) * n]
-            kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout)
-            for k in range(cfg.num_steps_per_rollout):
-                t0 = time.perf_counter()
-                m = self._train_step(rollout, advantages, k, kept)
-                t1 = time.perf_counter()
-                sync = self._sync()
-                self.state.step += 1
-                if self.ctx.is_main:
-                    record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
-                    self.metrics.write(record)
-                    bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
-                                    kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
-                                    diff=_show(record["model_output_max_abs_diff"], ".1e"),
-                                    ratio=_show(record["policy_ratio_mean"], ".6f"))
-            self.state.rollout += 1
-            if cfg.sample_every and index % cfg.sample_every == 0:
-                self._write_samples(rollout, index)
-            # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
-            # first boundary at or after every `save_every` optimizer steps.
-            steps_before = self.state.step - cfg.num_steps_per_rollout
-            if cfg.save_every and self.state.step // cfg.save_every > steps_before // cfg.save_every:
-                self.save()
-            bar.update()
-        bar.close()
+        # `with`: an error closes the bar first, so its one-line message is not drawn over by the bar
+        with tqdm(total=cfg.num_rollouts, initial=self.state.rollout, unit="rollout", disable=not self.ctx.is_main,
+                  desc="train") as bar:
+            while self.state.rollout < cfg.num_rollouts:
+                index = self.state.rollout
+                if self.ahead is None:
+                    (rollout, rewards, dropped, times), behaviour = self._rollout(index), None
+                else:
+                    rollout, rewards, dropped, times, behaviour = self.ahead.next(index)
+                # Samples of a group the reward skipped are NaN: advantage 0 (no gradient), out of the statistics.
+                scored = rewards[~torch.isnan(rewards)]
+                first, count = self._share()
+                n = cfg.n_samples_per_prompt
+                advantages = group_advantages(rewards, n, cfg.adv_clip_max, cfg.global_std)
+                advantages = advantages[first * n:(first + count) * n]  # this rank's share
+                kept = keep_rolled_out(self.named_params, cfg.parity_on_every_step, cfg.num_steps_per_rollout) \
+                    if behaviour is None else behaviour.kept
+                for k in range(cfg.num_steps_per_rollout):
+                    t0 = time.perf_counter()
+                    m = self._train_step(rollout, advantages, k, kept, behaviour)
+                    t1 = time.perf_counter()
+                    # Async: the sync that matters is the one that installed the rollout's weights; the next ones go
+                    # with the rollouts they make.
+                    sync = self._sync() if behaviour is None else behaviour.sync
+                    self.state.step += 1
+                    if self.ctx.is_main:
+                        record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
+                        if behaviour is not None:
+                            record |= behaviour.record()
+                        self.metrics.write(record)
+                        bar.set_postfix(reward=_show(record["reward_mean"], ".3f"), loss=_show(record["loss"], ".3g"),
+                                        kl=_show(record["kl"], ".2g"), lr=_show(record["lr"], ".2g"),
+                                        diff=_show(record["model_output_max_abs_diff"], ".1e"),
+                                        ratio=_show(record["policy_ratio_mean"], ".6f"))
+                self.state.rollout += 1
+                if self.ahead is not None:
+                    self.ahead.done(index)
+                if cfg.sample_every and index % cfg.sample_every == 0:
+                    # The EMA's grid takes the engine: async, once the rollouts queued so far are made.
+                    with self.ahead.idle() if self.ahead is not None and self.ema is not None else nullcontext():
+                        self._write_samples(rollout, index)
+                # Checkpoints fall on rollout boundaries (a resumed run never needs a rollout it did not save), the
+                # first boundary at or after every `save_every` optimizer steps.
+                steps_before = self.state.step - cfg.num_steps_per_rollout
+                if cfg.save_every and self.state.step // cfg.save_every > steps_before // cfg.save_every:
+                    self.save()
+                bar.update()
         if self.saved_step != self.state.step:
             self.save()
         if self.ctx.is_main:
@@ -334,9 +407,9 @@ class Trainer:
             write_sample_grid(rollout, self.out / "samples" / f"rollout-{index:05d}.png", self.cfg.reward)
         if self.ema is None:
             return
-        state = self.ema.full_state(self.dtype)  # a collective: every rank takes part
+        state = self._engine_state(self.ema)  # a collective: every rank takes part
         if self.ctx.is_main:
-            self.engine.update_weights(state, self.lora_spec.scale, self.cfg.lora_merge_mode)
+            self.engine.update_weights(state, *self._update_args())
             ema_rollout = self.engine.rollout(RolloutRequest(rollout.prompts, rollout.n_per_prompt, rollout.params,
                                                              rollout.seed, rollout.first_prompt))
             write_sample_grid(ema_rollout, self.out / "samples" / f"rollout-{index:05d}-ema.png", self.cfg.reward)
@@ -344,9 +417,14 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self) -> None:
-        ckpt.save_training(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler, self.ema,
-                           self.lora_spec, self.state.step, self.state.rollout,
-                           self.metrics.lines if self.metrics is not None else None, self.cfg.to_dict())
+        lines = self.metrics.lines if self.metrics is not None else None
+        if self.cfg.use_lora:
+            ckpt.save_training(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler, self.ema,
+                               self.lora_spec, self.state.step, self.state.rollout, lines, self.cfg.to_dict(),
+                               self.ahead.checkpoint_state() if self.ahead is not None else None)
+        else:  # async rollouts refuse full-parameter runs (config), so no in-flight versions to keep
+            full_checkpoint.save(self.family, self.out, self.ctx, self.models, self.optimizer, self.scheduler,
+                                 self.ema, self.dtype, self.state.step, self.state.rollout, lines, self.cfg.to_dict())
         self.saved_step = self.state.step
 
 

@@ -36,7 +36,7 @@ from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from torch import nn
 
-from trueflow.checkpoints.random_init import init_weights_
+from trueflow.models.random_init import init_weights_
 from trueflow.layers.linear import Linear
 from trueflow.models import weight_map
 from trueflow.models.cfg import rescaled_cfg

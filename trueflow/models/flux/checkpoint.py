@@ -21,7 +21,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from tokenizers import pre_tokenizers
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 from .presets import build_transformer
 from .prompts import MAX_TEXT_TOKENS
 from .scheduler_config import FLUX_SCHEDULER_CONFIG

@@ -41,10 +41,12 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
 
 
 def image_ids(grid: tuple[int, int], device, dtype: torch.dtype) -> torch.Tensor:
-    """`FluxPipeline._prepare_latent_image_ids`: (0, row, col) per token [rows·cols, 3], built in fp32 on the CPU,
-    then moved to `device` in `dtype` (the latents')."""
+    """`FluxPipeline._prepare_latent_image_ids`: (0, row, col) per token [rows·cols, 3], in fp32, then in `dtype`
+    (the latents'). The pipeline builds it on the CPU and moves it; here it is built on `device`: the same small
+    integers, exact in fp32 and bf16 alike, and no host copy, so a step that calls it can be captured in a CUDA
+    graph."""
     rows, cols = grid
-    ids = torch.zeros(rows, cols, 3)
-    ids[..., 1] = ids[..., 1] + torch.arange(rows)[:, None]
-    ids[..., 2] = ids[..., 2] + torch.arange(cols)[None, :]
-    return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)
+    ids = torch.zeros(rows, cols, 3, device=device)
+    ids[..., 1] = ids[..., 1] + torch.arange(rows, device=device)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(cols, device=device)[None, :]
+    return ids.reshape(rows * cols, 3).to(dtype=dtype)

@@ -23,7 +23,7 @@ from accelerate import init_empty_weights
 from diffusers import FluxTransformer2DModel
 from torch import nn
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 
 _FULL: dict[str, Any] = {
     "patch_size": 1,

@@ -38,5 +38,7 @@ def train_forward(model: nn.Module, hidden_states: torch.Tensor, timestep: torch
     dtype, device = hidden_states.dtype, hidden_states.device
     return model(hidden_states=hidden_states, timestep=timestep, guidance=cond["guidance"],
                  pooled_projections=cond["pooled_projections"], encoder_hidden_states=text,
-                 txt_ids=torch.zeros(text.shape[1], 3).to(device=device, dtype=dtype),
+                 # FluxPipeline's `torch.zeros(n, 3).to(device, dtype)`, made on the device (zeros either way):
+                 # no host copy, so the step can be captured in a CUDA graph
+                 txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
                  img_ids=image_ids(grid, device, dtype), return_dict=False)[0]

@@ -19,7 +19,7 @@ from accelerate import init_empty_weights
 from diffusers import LTX2VideoTransformer3DModel
 from torch import nn
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 
 # The real LTX-2.3 transformer (19B; 21B with the text connectors): 48 layers, 32 heads x 128 (4096-wide video),
 # 32 heads x 64 (2048-wide audio).

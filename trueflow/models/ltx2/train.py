@@ -47,8 +47,6 @@ def train_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(torch.float32)
 
 
-TRAIN_TIMESTEP = train_timestep
-
 
 def train_forward(model: nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor, grid: tuple[int, int, int],
                   cond: dict[str, torch.Tensor | None], fps: float = DEFAULT_FPS) -> torch.Tensor:

@@ -55,7 +55,7 @@ def is_audio_only(diffusers_name: str) -> bool:
 def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """`weight_map.load_weights` with LTX-2's names, the audio-only tensors (`is_audio_only`) left out: all or
     nothing over the video stream's tensors."""
-    weight_map.load_weights(model, {k: v for k, v in state_dict.items() if not is_audio_only(k)}, NAMES)
+    weight_map.load_weights(model, weight_map.subset(state_dict, lambda k: not is_audio_only(k)), NAMES)
 
 
 def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, merge: bool,

@@ -19,7 +19,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 from .presets import build_transformer
 from .prompts import PROMPT_TEMPLATE, PROMPT_TEMPLATE_START_IDX
 from .schedule import QWEN_IMAGE_SCHEDULER_CONFIG

@@ -83,7 +83,8 @@ def rope_tables_reference(positions: torch.Tensor, axes_dim, theta, device) -> R
     cols = []
     for axis in range(len(axes_dim)):
         p = positions[:, axis]
-        cols.append(torch.where((p >= 0)[:, None], pos[axis][p.clamp(min=0)], neg[axis][(_TABLE_ROWS + p).clamp(max=_TABLE_ROWS - 1)]))
+        cols.append(torch.where((p >= 0)[:, None], pos[axis][p.clamp(min=0)],
+                                neg[axis][(_TABLE_ROWS + p).clamp(max=_TABLE_ROWS - 1)]))
     return RopeTables(freqs=torch.cat(cols, dim=-1).to(device))
 
 

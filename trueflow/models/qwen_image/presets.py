@@ -12,7 +12,7 @@ from accelerate import init_empty_weights
 from diffusers import QwenImageTransformer2DModel
 from torch import nn
 
-from ...checkpoints.random_init import init_weights_
+from ..random_init import init_weights_
 
 _FULL: dict[str, Any] = {
     "patch_size": 2,
@@ -40,6 +40,9 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     "full": dict(_FULL),
     # Real-width GEMMs and attention at one block (~380M params), for CPU numerics tests.
     "one_block": {**_FULL, "num_layers": 1},
+    # The real widths at 12 of the 60 blocks (4.2B): a full-parameter run of it fits one H200 (docs/training.md's
+    # memory plan; scripts/gpu_fullft.py).
+    "h200_fullft": {**_FULL, "num_layers": 12},
 }
 
 def transformer_config(size: str) -> dict[str, Any]:
@@ -62,6 +65,7 @@ def build_transformer(
         model = QwenImageTransformer2DModel(**config)
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad))
+            mod.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                      p.requires_grad))
     init_weights_(model, seed, device)
     return model.eval()  # the model has no buffers, so nothing else needs casting to `dtype`

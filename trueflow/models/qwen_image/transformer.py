@@ -234,7 +234,8 @@ class QwenImageTransformer(nn.Module):
         return self.proj_out(self.norm_out(img, temb))
 
 
-def build_model(config: QwenImageConfig | dict, device="cpu", dtype: torch.dtype = torch.bfloat16) -> QwenImageTransformer:
+def build_model(config: QwenImageConfig | dict, device="cpu",
+                dtype: torch.dtype = torch.bfloat16) -> QwenImageTransformer:
     """An engine model with uninitialised parameters on `device` (weights come from `weights.load_weights`)."""
     if isinstance(config, dict):
         config = QwenImageConfig.from_dict(config)

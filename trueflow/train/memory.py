@@ -1,0 +1,203 @@
+"""The memory plan of a full-parameter run (`--no-use-lora`): the bytes one GPU holds, from the parameter counts alone,
+so `trueflow train` can refuse a setting that cannot fit before it loads anything, and docs/training.md's table
+(`table`) is this code's output (tests/test_fullft.py checks the two agree).
+
+Per rank of R, for P weights of which P_t are trained and P_e reach the engine (docs/precision.md's contract):
+- the sharded training state: fp32 masters of every weight 4·P/R, fp32 gradients 4·P_t/R, the optimizer's moments
+  8·P_t/R (`adamw`) or 4·P_t/R (`adamw_bf16`), the EMA 4·P_t/R unless `--ema-offload` moves it to the CPU;
+- FSDP2's gathered bf16 compute copies: the unit being computed and the one prefetched, 2 · 2·P_unit;
+- activations of one micro-batch of `rows` samples of T tokens through L blocks of width d: 34·d bytes per token
+  and block in bf16 (Korthikanti et al., arXiv 2205.05198, Sec. 4.1, Eq. 1 without its 5·a·s/h term: a fused
+  attention kernel keeps no score matrix; its dropout masks make it an upper bound for a DiT, which has none);
+  with activation checkpointing (diffusers' per-block `enable_gradient_checkpointing`) each block keeps only its
+  input, 2·d, and one block's 34·d are live again during its recompute;
+- the co-located engine's bf16 weights, 2·P_e, whatever R (in the trainer's process or its own on the same GPU);
+- at each sync the gathered bf16 copies, 2·P_e more, while the engine still holds the old ones (gradients and
+  activations are freed by then: the peak is the larger of the train step's and the sync's).
+A plan is compared with `USABLE` of the GPU's memory: the rest is the CUDA context, the allocator's fragmentation,
+the text encoder's and VAE's weights. An engine on GPUs of its own (`--ray --rollout-gpus`, `--engine-url`) leaves
+the engine terms off; the plan here is for the co-located placements, the default."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..models.spec import ModelFamily
+
+GIB = 1 << 30
+H200_GIB = 140.4  # 143,771 MiB (nvidia-smi of an H200 SXM)
+USABLE = 0.9
+ACT_PER_TOKEN_WIDTH = 34  # bytes per token, per unit of width, per block (module docstring)
+MAX_RANKS = 1024
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the plan needs of a transformer: its weight counts, its block count and width."""
+
+    params: int  # every weight
+    trained: int  # those the train forward reaches (`full.reaches_output`): trained, and sent to the engine
+    unit: int  # the largest FSDP unit's (one block)
+    blocks: int
+    width: int
+
+
+@dataclass(frozen=True)
+class Setting:
+    rows: int  # samples in one train micro-batch
+    tokens: int  # tokens per sample (latent + text)
+    optimizer: str = "adamw"
+    ema: bool = False
+    ema_offload: bool = False
+    checkpointing: bool = False
+    engine_colocated: bool = True
+
+
+def bytes_per_trained_param(s: Setting) -> int:
+    """Gradient + moments + EMA, per trained weight (the fp32 master, 4, is counted over every weight)."""
+    return 4 + (8 if s.optimizer == "adamw" else 4) + (4 if s.ema and not s.ema_offload else 0)
+
+
+def peak_bytes(m: Model, s: Setting, ranks: int) -> int:
+    """The most one GPU of `ranks` holds (module docstring)."""
+    sharded = (4 * m.params + bytes_per_trained_param(s) * m.trained) / ranks
+    engine = 2 * m.trained if s.engine_colocated else 0
+    per_token = m.width * (2 * m.blocks + ACT_PER_TOKEN_WIDTH if s.checkpointing else ACT_PER_TOKEN_WIDTH * m.blocks)
+    train = sharded + 2 * 2 * m.unit + s.rows * s.tokens * per_token + engine
+    sync = sharded - 4 * m.trained / ranks + 2 * engine  # the gradients are freed before a sync
+    return math.ceil(max(train, sync))
+
+
+def smallest_ranks(m: Model, s: Setting, gpu_bytes: float) -> int | None:
+    """The fewest GPUs of `gpu_bytes` the setting fits on (None: none up to MAX_RANKS)."""
+    return next((r for r in range(1, MAX_RANKS + 1) if peak_bytes(m, s, r) <= USABLE * gpu_bytes), None)
+
+
+def _width(config: dict) -> int:
+    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
+def from_counts(family: ModelFamily, config: dict, shapes: dict[str, tuple[int, ...]]) -> Model:
+    """A `Model` from a transformer's config and its weights' names and shapes (diffusers' names)."""
+    from .full import reaches_output
+
+    numel = {k: math.prod(v) for k, v in shapes.items()}
+    units: dict[str, int] = {}
+    for name, n in numel.items():
+        for unit in family.train.shard_units:
+            if name.startswith(unit + "."):
+                key = ".".join(name.split(".")[:2])
+                units[key] = units.get(key, 0) + n
+    return Model(params=sum(numel.values()), trained=sum(n for k, n in numel.items() if reaches_output(family, k)),
+                 unit=max(units.values(), default=0), blocks=len(units), width=_width(config))
+
+
+def from_checkpoint(family: ModelFamily, checkpoint: str | Path, subfolder: str = "transformer") -> Model:
+    """A `Model` read from a checkpoint's safetensors headers and config.json: nothing is loaded."""
+    from safetensors import safe_open
+
+    folder = Path(checkpoint) / subfolder
+    shapes = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return from_counts(family, json.loads((folder / "config.json").read_text()), shapes)
+
+
+def from_preset(family: ModelFamily, size: str = "full") -> Model:
+    """A `Model` of a family's preset architecture, built on the meta device (no memory)."""
+    from accelerate import init_empty_weights
+
+    config = family.presets.transformer_config(size)
+    with init_empty_weights():
+        model = family.train.model_class().from_config(config)
+    return from_counts(family, config, {k: tuple(p.shape) for k, p in model.named_parameters()})
+
+
+def sample_tokens(family: ModelFamily, resolution: int, num_frames: int) -> int:
+    """Tokens one sample runs through the transformer: its latent tokens and its text tokens at most."""
+    return math.prod(family.pipeline.latent_grid(resolution, resolution, num_frames)) + family.pipeline.max_text_tokens
+
+
+def check_fits(cfg, ranks: int) -> None:
+    """Refuse (ValueError, one line: the numbers and the fix) a full-parameter setting whose plan exceeds the GPU.
+    The GPU's size is `--gpu-memory-gib`, else the CUDA device's; on a CPU run without it there is no plan."""
+    if cfg.use_lora:
+        return
+    gib = cfg.gpu_memory_gib
+    if gib is None and cfg.device.startswith("cuda"):
+        import torch
+
+        gib = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory / GIB
+    if gib is None:
+        return
+    from ..models import checkpoint_experts
+
+    family = cfg.model_family()
+    experts = [e.name for e in checkpoint_experts(cfg.checkpoint, family)]
+    models = [from_checkpoint(family, cfg.checkpoint, e) for e in experts]
+    m = Model(params=sum(x.params for x in models), trained=sum(x.trained for x in models),
+              unit=max(x.unit for x in models), blocks=models[0].blocks, width=models[0].width)
+    setting = Setting(rows=cfg.micro_batch_size_sample * cfg.micro_batch_size_tstep,
+                      tokens=sample_tokens(family, cfg.resolution, cfg.num_frames), optimizer=cfg.optimizer,
+                      ema=bool(cfg.ema_decay), ema_offload=cfg.ema_offload, checkpointing=cfg.gradient_checkpointing,
+                      engine_colocated=not (cfg.engine_url or (cfg.ray and cfg.rollout_gpus)))
+    need = peak_bytes(m, setting, ranks)
+    if need <= USABLE * gib * GIB:
+        return
+    fits = smallest_ranks(m, setting, gib * GIB)
+    fixes = [f"run on {fits} ranks (torchrun --nproc-per-node {fits})" if fits else
+             "no number of ranks is enough with the engine on the same GPUs: give it GPUs of its own (--ray "
+             "--rollout-gpus)"]
+    if not setting.checkpointing:
+        fixes.append("--gradient-checkpointing")
+    if setting.optimizer == "adamw":
+        fixes.append("--optimizer adamw_bf16")
+    if setting.ema and not setting.ema_offload:
+        fixes.append("--ema-offload")
+    if setting.rows > 1:
+        fixes.append("a smaller --micro-batch-size-sample")
+    raise ValueError(f"--no-use-lora: {m.params:,} weights ({m.trained:,} trained) need {need / GIB:.3g} GiB per "
+                     f"GPU on {ranks} rank(s) at a micro-batch of {setting.rows} x {setting.tokens} tokens, over "
+                     f"{USABLE:.0%} of {gib:.3g} GiB (docs/training.md, Memory plan); {', or '.join(fixes)}")
+
+
+def _makes_video(family: ModelFamily, resolution: int, num_frames: int) -> bool:
+    try:
+        family.pipeline.latent_grid(resolution, resolution, num_frames)
+    except ValueError:  # an image family refuses frames
+        return False
+    return True
+
+
+def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121) -> str:
+    """docs/training.md's table: per family at its full size, the bytes per parameter, the per-GPU state on 8
+    ranks, and the fewest H200s at `micro_batch` samples of `resolution`² pixels (`num_frames` for video
+    families) with and without activation checkpointing (adamw; adamw_bf16)."""
+    from ..models import families
+
+    gpu = H200_GIB * GIB
+    lines = ["| family | weights (trained) | bytes/param (adamw; adamw_bf16) | sharded state on 8 ranks | "
+             "tokens/sample | H200s, no checkpointing (adamw; adamw_bf16) | H200s, checkpointing (adamw; adamw_bf16) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, family in sorted(families().items()):
+        m = from_preset(family)
+        frames = num_frames if _makes_video(family, resolution, num_frames) else 1
+        tokens = sample_tokens(family, resolution, frames)
+        base = Setting(rows=micro_batch, tokens=tokens)
+        lean = Setting(rows=micro_batch, tokens=tokens, optimizer="adamw_bf16")
+        per_param = [4 + bytes_per_trained_param(s) for s in (base, lean)]
+        sharded = (4 * m.params + bytes_per_trained_param(base) * m.trained) / 8 / GIB
+
+        def fewest(ck: bool, m=m, tokens=tokens) -> str:  # this family's, called in this iteration
+            return "; ".join(str(smallest_ranks(m, Setting(rows=micro_batch, tokens=tokens, optimizer=o,
+                                                           checkpointing=ck), gpu) or "none")
+                             for o in ("adamw", "adamw_bf16"))
+
+        size = f"{resolution}²" + (f" × {frames} frames" if frames > 1 else "")
+        lines.append(f"| {name} | {m.params / 1e9:.2f}B ({m.trained / 1e9:.2f}B) | {per_param[0]}; {per_param[1]} | "
+                     f"{sharded:.1f} GiB | {tokens:,} ({size}) | {fewest(False)} | {fewest(True)} |")
+    return "\n".join(lines)
