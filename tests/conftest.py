@@ -26,6 +26,27 @@ EPS = 1e-6  # every norm of Qwen-Image's transformer uses eps 1e-6
 TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console script
 
 
+# -- the batch-invariant mode ----------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _batch_invariant_mode_left_off():
+    """No test leaves the batch-invariant mode's process-wide GEMM overrides on for the next one (an engine built in
+    the mode turns them on): everything outside the mode keeps the stock kernels, and its bits."""
+    yield
+    from trueflow.kernels import batch_invariant
+
+    batch_invariant.disable()
+
+
+@pytest.fixture
+def bi_mode():
+    """The batch-invariant mode for one test (its GEMMs overridden; off again afterwards)."""
+    from trueflow.kernels import batch_invariant
+
+    batch_invariant.enable()
+    yield
+    batch_invariant.disable()
+
+
 # -- checkpoints ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

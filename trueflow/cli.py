@@ -44,12 +44,16 @@ def _pipeline_family(checkpoint: str, family: str | None = None, whole: bool = T
 
 
 def _check_engine_options(a: argparse.Namespace, fam: ModelFamily) -> None:
-    """The patch group (default: the family's parity group; another family's refused), the patches switched off,
-    the thread count: `a` is updated in place."""
+    """The patch group (default: the family's parity group; another family's refused; in the batch-invariant mode's
+    form with `--batch-invariant`), the patches switched off, the thread count: `a` is updated in place."""
     from .models import patch_group_for
     from .models import get_group
 
     a.patch_group = patch_group_for(fam, a.patch_group)
+    if a.batch_invariant:
+        from .patches import batch_invariant_group
+
+        a.patch_group = batch_invariant_group(a.patch_group)
     if a.disable_patch:
         group = get_group(a.patch_group)
         if group is None:
@@ -179,6 +183,9 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="batch of the compared forward: B seeded "
                    "random inputs, the shape of a rollout microgroup of B (default: 1)")
     p.add_argument("--text-len", type=int, default=7, metavar="L", help="text tokens per sample (default: 7)")
+    p.add_argument("--train-micro-batch", type=int, default=None, metavar="N",
+                   help="run the train side in micro-batches of N samples against the engine's one batch: bitwise "
+                        "only with --batch-invariant (default: the whole batch, as one microgroup)")
     p.add_argument("--resolution", type=int, default=64, metavar="PX", help="image side in pixels, a multiple of "
                    "the family's granule (default: 64)")
     p.add_argument("--lora-rank", type=int, default=0,
@@ -234,7 +241,8 @@ def _run_parity(a: argparse.Namespace) -> int:
     spec = ProbeSpec(checkpoint=a.checkpoint, random_size=a.random_size, batch=a.batch, text_len=a.text_len,
                      resolution=a.resolution, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, dtype=a.dtype,
                      seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
-                     layer_report=a.layer_report, expert=a.expert, cfg_scale=a.cfg_scale, family=a.family)
+                     layer_report=a.layer_report, expert=a.expert, cfg_scale=a.cfg_scale, family=a.family,
+                     batch_invariant=a.batch_invariant, train_micro_batch=a.train_micro_batch)
     if a.tp != 1 or a.train_tp_match is not None:
         from .parity.tp import run_tp_probe
 
@@ -498,6 +506,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "checkpoints weight updates may name by path (default: none; path updates are refused)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each (on CUDA "
                    "rank r on GPU r; docs/tensor-parallel.md; default: 1, in this process)")
+    p.add_argument("--max-merged", type=int, default=8, metavar="N", help="with --batch-invariant: most rollouts run "
+                   "at once with their forwards merged into one batch (default: 8)")
     # The defaults are `server.Limits`' (a test keeps them equal; importing it here would load torch).
     for flag, kind, default, what in [
             ("--max-steps", int, 100, "most denoising steps per sample"),
@@ -517,6 +527,8 @@ def _run_serve(a: argparse.Namespace) -> int:
 
     limits = Limits(a.max_steps, a.max_pixels, a.max_frames, a.max_prompt_tokens, a.max_samples, a.max_queue,
                     a.request_timeout)  # checked before the engine loads
+    if a.max_merged < 1:
+        raise ValueError(f"--max-merged must be >= 1, got {a.max_merged}")
     if a.weights_root is not None and not os.path.isdir(a.weights_root):
         raise FileNotFoundError(f"--weights-root {a.weights_root}: no such folder")
     fam = _pipeline_family(a.checkpoint)
@@ -533,7 +545,7 @@ def _run_serve(a: argparse.Namespace) -> int:
     from .server import serve
 
     serve(*_engine_placement(a, threads=torch.get_num_threads()), host=a.host, port=a.port, limits=limits,
-          default_seed=a.seed, weights_root=a.weights_root, lora=lora)
+          default_seed=a.seed, weights_root=a.weights_root, lora=lora, max_merged=a.max_merged)
     return 0
 
 

@@ -135,14 +135,29 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
     return group
 
 
+# The families whose engine and train side the batch-invariant mode is tested on bitwise at real widths with a
+# failure side (tests/test_batch_invariant_parity.py); another family's `group:trueflow_batch_invariant` is refused.
+# SD3.5 is not among them: at micro-batches of one against a microgroup of 4 its first block's `to_add_out` differs.
+BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux")
+
+
 def get_group(name: str) -> PatchGroup | None:
     """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
-    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend."""
+    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
+    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `BATCH_INVARIANT_PATCH`."""
+    from ..kernels.batch_invariant import BACKEND
+    from ..patches import BATCH_INVARIANT_PATCH
+
     family = family_for_patch_group(name)
     if family is None:
         return None
     group, _, train_backend = name.partition(":")
     spec = family.patch_groups[group]
+    if train_backend == BACKEND:
+        if family.name not in BATCH_INVARIANT_FAMILIES:
+            raise ValueError(f"--batch-invariant is not verified for {family.name} (tested: "
+                             f"{', '.join(BATCH_INVARIANT_FAMILIES)}): drop --batch-invariant")
+        return PatchGroup(spec.group.name, (*spec.group.patches, BATCH_INVARIANT_PATCH))
     return spec.make(train_backend) if train_backend else spec.group
 
 

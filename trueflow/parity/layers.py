@@ -28,24 +28,28 @@ def _tensors(out) -> tuple[torch.Tensor, ...]:
 @contextmanager
 def capture(model: nn.Module, names: dict[str, tuple[str, int | None]]):
     """Record outputs of `model`'s modules: names maps module name -> (report name, element index or None).
-    Yields a dict report name -> tensor, in execution order."""
+    Yields a dict report name -> tensor, in execution order, filled when the block ends. A module called once per
+    micro-batch has its calls' outputs joined along the batch (dim 0), as one call on the whole batch gives them."""
     seen: dict[str, torch.Tensor] = {}
+    calls: dict[str, list[tuple[torch.Tensor, ...]]] = {}
     handles = []
     modules = dict(model.named_modules())
     for mod_name, targets in names.items():
         def hook(_m, _inp, out, targets=targets):
             outs = _tensors(out)
             for report_name, index in targets:
-                # flattened, so a tuple output (a block's two streams) compares as one tensor and a packed slot
-                # as the separate layer's output
                 picked = outs if index is None else (outs[index],)
-                seen[report_name] = torch.cat([o.detach().flatten() for o in picked])
+                calls.setdefault(report_name, []).append(tuple(o.detach() for o in picked))
         handles.append(modules[mod_name].register_forward_hook(hook))
     try:
         yield seen
     finally:
         for h in handles:
             h.remove()
+        # flattened, so a tuple output (a block's two streams) compares as one tensor and a packed slot as the
+        # separate layer's output
+        for report_name, outs in calls.items():
+            seen[report_name] = torch.cat([torch.cat([c[j] for c in outs]).flatten() for j in range(len(outs[0]))])
 
 
 LAYER_REPORTS = ("all", "blocks", "none")
