@@ -33,11 +33,10 @@ Check: each engine row's guided velocity and next latent are bitwise its pairing
 pairing is flash; the mode's rows', diffusers_batch_invariant). The mode's GEMM kernels are process-wide: each row
 turns them on or off before its step, outside the timed region. Timing: after `--warmup` steps per row (graph capture
 included), `--repeats` rounds; each round runs one step of every row, in order, so slow drifts of the clock hit all
-rows alike. Each step starts on an idle device and is timed with CUDA events (the host clock on a CPU). Reported: median and min-max per row, and each row's
-speed-up over both diffusers rows (median ratio; "tie" when the min-max ranges overlap). The JSON is rewritten after
-every shape. Exit status 1 if a pairing is not bitwise. `--size tiny` is a CPU smoke run (cuDNN rows are skipped,
-times are meaningless).
-"""
+rows alike. Each step starts on an idle device and is timed with CUDA events (the host clock on a CPU). Reported:
+median and min-max per row, and each row's speed-up over both diffusers rows (median ratio; "tie" when the min-max
+ranges overlap). The JSON is rewritten after every shape. Exit status 1 if a pairing is not bitwise. `--size tiny` is a
+CPU smoke run (cuDNN rows are skipped, times are meaningless). """
 
 from __future__ import annotations
 
