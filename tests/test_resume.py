@@ -1,8 +1,8 @@
 """A run killed with SIGKILL — at a random moment, and in the middle of a checkpoint write — and resumed gives the
 same metrics, bit for bit, as an uninterrupted run (wall-clock times aside); the killed run's lock is taken over as
 stale and its temporary folder removed. A --resume with nothing to continue is refused; --resume auto starts over.
-An engine that dies under a run — its process, a tensor-parallel rank, its server — stops it in one line within
-5 s, and the run resumes exactly; every one of those runs listens on loopback only."""
+An engine that dies under a run — its process, a tensor-parallel rank, its server — stops it in one line promptly
+(PROMPT_EXIT_S), and the run resumes exactly; every one of those runs listens on loopback only."""
 
 from __future__ import annotations
 
