@@ -430,7 +430,7 @@ def test_server_merges_two_clients_rollouts(tiny_engine, bi_mode):
 
 
 def test_a_family_the_mode_is_not_tested_on_is_refused_in_one_line():
-    from trueflow.patches import batch_invariant_group
+    from trueflow.models import batch_invariant_group
 
     assert batch_invariant_group("flux") == f"flux:{BI.BACKEND}"
     with pytest.raises(ValueError, match=r"^--batch-invariant is not verified for sd3 \(tested: qwen_image, ltx2, "

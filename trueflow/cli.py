@@ -52,7 +52,7 @@ def _check_engine_options(a: argparse.Namespace, fam: ModelFamily) -> None:
 
     a.patch_group = patch_group_for(fam, a.patch_group)
     if a.batch_invariant:
-        from .patches import batch_invariant_group
+        from .models import batch_invariant_group
 
         a.patch_group = batch_invariant_group(a.patch_group)
     if a.disable_patch:

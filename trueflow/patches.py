@@ -39,26 +39,6 @@ class PatchGroup:
         return tuple(p.name for p in self.patches)
 
 
-def batch_invariant_group(name: str) -> str:
-    """The patch group of the batch-invariant mode for group `name` (`qwen_image` becomes
-    `qwen_image:trueflow_batch_invariant`): what `--batch-invariant` makes of a verb's `--patch-group`. Refused in
-    one line for `none` (the mode adds to a group's train-exact numerics) and for a group paired with another train
-    backend."""
-    from .kernels.batch_invariant import BACKEND
-
-    group, _, backend = name.partition(":")
-    if group == "none":
-        raise ValueError("--batch-invariant adds to a patch group's train-exact numerics: give --patch-group (e.g. "
-                         "qwen_image), not none")
-    if backend and backend != BACKEND:
-        raise ValueError(f"--batch-invariant pairs the engine with the train side's {BACKEND} attention backend, "
-                         f"not {backend}: use --patch-group {group}")
-    from .models import get_group
-
-    get_group(f"{group}:{BACKEND}")  # an unknown group is refused with the known names
-    return f"{group}:{BACKEND}"
-
-
 def _batch_invariant(model: nn.Module) -> None:
     """The batch-invariant mode (docs/patch-group.md): this process's GEMMs on the batch-invariant kernels
     (`kernels.batch_invariant.enable`, process-wide: the engine's process is where it runs), every attention call of

@@ -141,6 +141,24 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
 BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux")
 
 
+def batch_invariant_group(name: str) -> str:
+    """The patch group of the batch-invariant mode for group `name` (`qwen_image` becomes
+    `qwen_image:trueflow_batch_invariant`): what `--batch-invariant` makes of a verb's `--patch-group`. Refused in
+    one line for `none` (the mode adds to a group's train-exact numerics) and for a group paired with another train
+    backend."""
+    from ..kernels.batch_invariant import BACKEND
+
+    group, _, backend = name.partition(":")
+    if group == "none":
+        raise ValueError("--batch-invariant adds to a patch group's train-exact numerics: give --patch-group (e.g. "
+                         "qwen_image), not none")
+    if backend and backend != BACKEND:
+        raise ValueError(f"--batch-invariant pairs the engine with the train side's {BACKEND} attention backend, "
+                         f"not {backend}: use --patch-group {group}")
+    get_group(f"{group}:{BACKEND}")  # an unknown group is refused with the known names
+    return f"{group}:{BACKEND}"
+
+
 def get_group(name: str) -> PatchGroup | None:
     """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
     `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
