@@ -17,12 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from ..collate import Cond, collate_cond
 from ..layers.linear import Linear
-from ..models.spec import Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
+from ..models.spec import EngineModel, Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
 from ..sync.full_weights import weights_checksum
@@ -43,7 +42,7 @@ class ModelRunner:
     (replayed CUDA graphs, one per shape and expert, bitwise equal to eager; `cuda_graphs=False` runs eagerly),
     their weights and LoRA, and the denoise loop."""
 
-    def __init__(self, experts: Sequence[tuple[Expert, nn.Module]], family: ModelFamily, device: torch.device,
+    def __init__(self, experts: Sequence[tuple[Expert, EngineModel]], family: ModelFamily, device: torch.device,
                  dtype: torch.dtype, cuda_graphs: bool = True):
         self.experts = tuple(e for e, _ in experts)
         self.names = [e.name for e in self.experts]
@@ -69,7 +68,7 @@ class ModelRunner:
             self._update_one(self.transformer, state, scale, merge_mode)
 
     @staticmethod
-    def _update_one(model: nn.Module, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
+    def _update_one(model: EngineModel, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
                     merge_mode: str | None) -> None:
         if getattr(model, "tp", None) is not None:
             from ..parallel.engine import update_lora_tp
@@ -111,7 +110,7 @@ class ModelRunner:
                   for a in m.adapters if a}
         return weights_checksum(self._prefixed(weights.full_state), self._prefixed(lora.lora_state), scales)
 
-    def _prefixed(self, tensors_of: Callable[[nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _prefixed(self, tensors_of: Callable[[EngineModel], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every expert's tensors under its `expert_prefix` names."""
         return {f"{expert_prefix(self.names, k)}{name}": t for k, model in enumerate(self.transformers)
                 for name, t in tensors_of(model).items()}

@@ -13,10 +13,9 @@ import json
 import pkgutil
 from pathlib import Path
 
-from torch import nn
 
 from ..patches import PatchGroup
-from .spec import Expert, ModelFamily
+from .spec import EngineModel, Expert, ModelFamily
 
 
 @functools.cache
@@ -134,7 +133,7 @@ def get_group(name: str) -> PatchGroup | None:
     return spec.make(train_backend) if train_backend else spec.group
 
 
-def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
+def apply_patch_group(model: EngineModel, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
     """Apply group `name` to a built engine model, except the patches in `disabled`. Returns the applied names."""
     group = get_group(name)
     if group is None:

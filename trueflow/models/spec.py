@@ -36,6 +36,43 @@ def lazy(module: str, name: str) -> Callable[..., Any]:
     return call
 
 
+class TPRank(Protocol):
+    """What a tensor-parallel engine model knows of its group: `parallel.comm.TPGroup` (which sits above models)."""
+
+    rank: int
+    size: int
+    group: torch.distributed.ProcessGroup | None
+
+
+class EngineModel(nn.Module):
+    """The base of every family's engine model (`EngineSide.build_model` returns one): the attributes the engine
+    keeps on a built model, declared for the type checker (annotations only: nothing is set here, each is set where
+    the comment says; `nn.Module.__getattr__` would type them as tensors or modules)."""
+
+    lora_merge: bool  # the model's __init__ (True), a parity patch group's `set_on` (False)
+    family: ModelFamily  # `engine.weights.build_engine_transformer`, `parallel.engine.build_tp_engine_transformer`
+    patches_applied: list[str]  # `models.apply_patch_group`
+    lora_arena: object | None  # `engine.lora_arena.update_lora_packed` (its `LoraArena`: the engine is above models)
+    tp: TPRank  # a tensor-parallel rank's model only (`build_tp_engine_transformer`)
+    tp_layers: list[str]  # likewise: its swapped engine module names
+
+
+class BuildModel(Protocol):
+    def __call__(self, config: dict, device: Any = ..., dtype: torch.dtype = ...) -> EngineModel:
+        """A transformer config -> the family's engine model on `device` in `dtype`, parameters unset."""
+
+
+class SetLora(Protocol):
+    def __call__(self, model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
+                 merge: bool, check_only: bool = False) -> None:
+        """Install `{diffusers module: (A, B)}` (merged into the weights or kept as adapters), all or nothing."""
+
+
+class DiffusersModuleName(Protocol):
+    def __call__(self, engine_name: str, slot: int | None = None, /) -> str:
+        """An engine module (and packed slot) -> the diffusers module it holds: `map_module_name`'s inverse."""
+
+
 class Decoder(Protocol):
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int) -> torch.Tensor:
         """Packed latents -> uint8 images `[B, height, width, 3]` (one frame) or videos `[B, num_frames, height,
@@ -48,12 +85,12 @@ class EngineSide:
     `model(hidden_states=x, timestep=t, grid=grid, **cond)`: `t` the fp32 schedule timestep(s), `[B]` or per token
     `[B, S]` (the model's timestep path rounds it as the pipeline does under the family's patch group)."""
 
-    build_model: Callable[[dict, Any, torch.dtype], nn.Module]  # transformer config -> model, parameters unset
+    build_model: BuildModel  # transformer config -> model, parameters unset
     load_weights: Callable[[nn.Module, dict[str, torch.Tensor]], None]  # diffusers-named tensors, all or nothing
     parse_peft_state_dict: Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    set_lora: Callable[..., None]  # (model, {diffusers module: (A, B)}, scale, merge, check_only=False)
+    set_lora: SetLora  # (model, {diffusers module: (A, B)}, scale, merge, check_only=False)
     map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
-    diffusers_module_name: Callable[..., str]  # (engine module, slot=None) -> diffusers module: the inverse
+    diffusers_module_name: DiffusersModuleName  # (engine module, slot=None) -> diffusers module: the inverse
     comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name
     attention_backend: Callable[[nn.Module], str]  # the attention kernel a built model runs (for reports)
     tp_plan: TPPlan | None = None  # tensor-parallel shard plan (docs/tensor-parallel.md); None: TP 1 only

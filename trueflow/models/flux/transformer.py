@@ -29,6 +29,7 @@ from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.rope import QKNormRope, RopeTables, rope_tables_fused
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 ROPE_THETA = 10000  # FluxPosEmbed(theta=10000, ...) in FluxTransformer2DModel.__init__
@@ -293,7 +294,7 @@ class OutputNorm(nn.Module):
         return self.norm(x, shift, scale)
 
 
-class FluxTransformer(nn.Module):
+class FluxTransformer(EngineModel):
     def __init__(self, config: FluxConfig):
         super().__init__()
         self.config = c = config

@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                       LTX2Pipeline)
-from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers import FlowMatchEulerDiscreteScheduler
+# diffusers' model and pipeline classes from their defining modules: `diffusers`' own TYPE_CHECKING
+# imports name its dummy classes first, so a checker sees those.
+from diffusers.models import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 

@@ -29,6 +29,7 @@ from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
 from ...layers.modulation import AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 
@@ -283,7 +284,7 @@ AUDIO_INPUTS = frozenset({"audio_hidden_states", "audio_encoder_hidden_states", 
                           "audio_timestep", "audio_sigma", "audio_num_frames", "audio_coords", "use_cross_timestep"})
 
 
-class LTX2Transformer(nn.Module):
+class LTX2Transformer(EngineModel):
     def __init__(self, config: LTX2Config):
         super().__init__()
         self.config = c = config

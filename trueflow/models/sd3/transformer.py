@@ -32,6 +32,7 @@ from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.rope import QKNormRope
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 from .latents import unpack_latents
 
@@ -291,7 +292,7 @@ class JointBlock(nn.Module):
         return txt, img  # diffusers' order: (encoder_hidden_states, hidden_states)
 
 
-class SD3Transformer(nn.Module):
+class SD3Transformer(EngineModel):
     def __init__(self, config: SD3Config):
         super().__init__()
         self.config = c = config
