@@ -39,6 +39,7 @@ import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +86,9 @@ class CheckpointWriteError(CheckpointError):
 
 def rng_state() -> dict:
     """Every RNG's state, as tensors and plain values (numpy's key array as an int64 tensor)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # the default: a tuple for the global MT19937 state
+    assert isinstance(legacy, tuple)  # (numpy's stub types the call without `legacy` as the dict form)
+    name, keys, pos, has_gauss, cached = legacy
     return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                    cached),
             "torch": torch.get_rng_state(),
@@ -246,11 +249,11 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, d
     except Exception as e:  # noqa: BLE001 - whatever the damage, the folder cannot be resumed from
         raise _unreadable(path, e) from None
     if state.get("full"):  # a full-parameter run's: DCP shards, loaded into the built models
-        from .full_checkpoint import read
+        from . import full_checkpoint
 
         if COMPLETE in missing:
             raise CheckpointError(f"checkpoint {path} is incomplete (missing COMPLETE)")
-        return None, read(path, state), state
+        return None, full_checkpoint.read(path, state), state
     # Each trained expert's files (a one-expert checkpoint: LORA_FILE alone).
     experts = state.get("experts", ["transformer"])
     trained = [k for k, e in enumerate(experts) if e in state.get("lora_experts", experts)]
@@ -277,7 +280,7 @@ def _unreadable(path: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})")
 
 
-def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] | None:
+def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor] | None, dict, dict] | None:
     """(path, *load_checkpoint(path)) of the newest complete checkpoint that reads back; a damaged one is skipped
     with a warning. None when there is no complete checkpoint; CheckpointError when none of them reads back."""
     failures = []
@@ -312,7 +315,8 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
     failure = None
     if ctx.is_main:
         experts = list(models)
-        trainer_state = {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config}
+        trainer_state: dict[str, Any] = {"step": step, "rollout": rollout, "metrics_lines": metrics_lines,
+                                         "config": config}
         if len(experts) > 1:
             trained = [e for e, part in zip(experts, split_by_expert(lora, experts)) if part]
             trainer_state |= {"experts": experts, "lora_experts": trained}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,7 +40,8 @@ def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec | None, co
         if is_lora:
             p.data = p.data.float()  # the fp32 master; FSDP2 casts it to the compute dtype for each forward
         p.requires_grad_(is_lora)
-    return shard(model.to(device), compute_dtype, family.train.shard_units)
+    # typeshed types diffusers' `@wraps(nn.Module.to)` method unbound (as taking the model first)
+    return shard(model.to(device), compute_dtype, family.train.shard_units)  # type: ignore[arg-type]
 
 
 # FSDP2 warns that diffusers' output is a view (an in-place op on it would skip the pre-backward hook). The
@@ -99,7 +101,8 @@ def set_lora_state(params: dict[str, nn.Parameter], full: dict[str, torch.Tensor
     for name, p in params.items():
         value = full[name].to(p.device)
         if hasattr(p, "full_tensor"):
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import DTensor, distribute_tensor
 
-            value = distribute_tensor(value, p.device_mesh, p.placements)
+            d = cast(DTensor, p)  # it has `full_tensor`: a DTensor (FSDP2's sharded parameter)
+            value = distribute_tensor(value, d.device_mesh, d.placements)
         p.copy_(value)
