@@ -59,5 +59,6 @@ def lora_state(model: EngineModel) -> dict[str, torch.Tensor]:
     out = {}
     for prefix, mod, slot in lora_slots(model):
         a = mod.adapters[slot]
+        assert a is not None  # `lora_slots` names the installed adapters only
         out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
     return out

@@ -92,7 +92,9 @@ class EngineSide:
     map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
     diffusers_module_name: DiffusersModuleName  # (engine module, slot=None) -> diffusers module: the inverse
     comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name
-    attention_backend: Callable[[nn.Module], str]  # the attention kernel a built model runs (for reports)
+    # the attention kernel a built model runs (for reports); it takes the family's own model class (`Any`: the generic
+    # spec cannot name it, and reads its blocks)
+    attention_backend: Callable[[Any], str]
     tp_plan: TPPlan | None = None  # tensor-parallel shard plan (docs/tensor-parallel.md); None: TP 1 only
     # The checkpoint's tensors (diffusers names) that `load_weights` drops: left unread on load, so never sent to a
     # rank (LTX-2.3's audio stream). None: it reads every tensor.

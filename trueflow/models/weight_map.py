@@ -133,7 +133,7 @@ def _max(dtype: torch.dtype) -> float:
 
 def expected_tensors(model: nn.Module, names: Names) -> dict[str, tuple[nn.Parameter, slice | None]]:
     """diffusers tensor name -> (engine parameter, row slice of it or None) for every engine parameter."""
-    out = {}
+    out: dict[str, tuple[nn.Parameter, slice | None]] = {}
     for mod_name, mod in model.named_modules():
         for p_name, param in mod.named_parameters(recurse=False):
             if isinstance(mod, Linear) and mod.packed:
@@ -300,7 +300,10 @@ def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:
 
 def _base(layer: Linear) -> torch.Tensor:
     """The layer's weight without any merged LoRA: what a new LoRA merges into."""
-    return layer.base_weight if layer.merged else layer.weight
+    if layer.merged:
+        assert layer.base_weight is not None  # the merge kept it
+        return layer.base_weight
+    return layer.weight
 
 
 def _product_problem(name: str, dtype: torch.dtype, scale: float, a: float, b: float, w: float,

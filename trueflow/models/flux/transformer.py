@@ -18,6 +18,7 @@ the pooled CLIP projection (`CombinedTimestepGuidanceTextProjEmbeddings`); RoPE 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -144,7 +145,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, axes_dim: tuple[int, ...]):
         super().__init__()
         self.axes_dim = tuple(axes_dim)
-        self.impl = rope_tables_fast
+        self.impl: Callable[..., RopeTables] = rope_tables_fast  # a patch group may swap it
         self._cache: dict = {}
 
     def forward(self, grid: tuple[int, int], text_len: int, device, dtype: torch.dtype) -> RopeTables:
