@@ -101,13 +101,13 @@ class ParityProbe:
             self.state_dict = loading.read_transformer_state_dict(s.checkpoint, subfolder=self.expert)
             self.train = train_model.load_transformer(self.family, s.checkpoint, dtype, self.expert)
         else:
+            assert s.random_size is not None  # one of checkpoint / random_size (checked above)
             self.config = self.family.presets.transformer_config(s.random_size)
             # the family's diffusers transformer (the spec, engine-side, does not name diffusers' types)
             built = self.family.presets.build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)
             self.train = cast("DiffusersTransformer", built)
             self.state_dict = self.train.state_dict()
-        # typeshed types diffusers' `@wraps(nn.Module.to)` method unbound (as taking the model first)
-        self.train.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
+        self.train.to(device).eval().requires_grad_(False)
         self.lora = None
         if s.lora_rank:
             spec_l = train_model.LoraSpec(rank=s.lora_rank, alpha=s.lora_alpha,

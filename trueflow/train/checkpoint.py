@@ -39,7 +39,7 @@ import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -82,6 +82,14 @@ class CheckpointError(ValueError):
 class CheckpointWriteError(CheckpointError):
     """A checkpoint that could not be written (a full disk, any write error): one line naming the folder, the bytes
     it needs and those free; the folder is as it was before the save."""
+
+
+class _LoraWriter(Protocol):
+    """A diffusers pipeline class as the LoRA writer (its LoRA loader mixin's `save_lora_weights`)."""
+
+    @classmethod
+    def save_lora_weights(cls, save_directory: str | os.PathLike, *, transformer_lora_layers: dict,
+                          weight_name: str, transformer_lora_adapter_metadata: dict) -> None: ...
 
 
 def rng_state() -> dict:
@@ -129,7 +137,7 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
         # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors
         # metadata, which `load_lora_weights` reads for alpha and targets.
         config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
-        pipeline = family.pipeline_type()
+        pipeline: type[_LoraWriter] = family.pipeline_type()
         for name, weights in ((LORA_FILE, lora_fp32), (EMA_FILE, ema)):
             if weights is None:
                 continue
@@ -255,7 +263,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, d
             raise CheckpointError(f"checkpoint {path} is incomplete (missing COMPLETE)")
         return None, full_checkpoint.read(path, state), state
     # Each trained expert's files (a one-expert checkpoint: LORA_FILE alone).
-    experts = state.get("experts", ["transformer"])
+    experts: list[str] = state.get("experts", ["transformer"])
     trained = [k for k, e in enumerate(experts) if e in state.get("lora_experts", experts)]
     missing = [f for k in trained if not (path / (f := expert_file(LORA_FILE, experts, k))).is_file()] + missing
     if missing:

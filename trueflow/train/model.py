@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from peft import LoraConfig
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     class DiffusersTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):  # type: ignore[misc]
         """What a family's train-side model is, for the checker: every diffusers transformer class the families
         name (`TrainSide.transformer_class`) derives from these three."""
+
+        # ModelMixin.to is `@wraps(nn.Module.to)`, which typeshed types as an unbound function (the model first)
+        def to(self, *args: Any, **kwargs: Any) -> Self: ...  # type: ignore[override]
 
 
 @dataclass
