@@ -154,7 +154,9 @@ class Engine:
         params = replace(params, negative_prompt=negative_prompt(self.family.guidance, params.negative_prompt))
         grid = pipe.latent_grid(params.height, params.width, params.num_frames)
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
-        negative = self._encode(params.negative_prompt, params) if params.cfg else None
+        negative_text = params.negative_prompt if params.cfg else None
+        assert not params.cfg or negative_text is not None  # check_family_limits refused CFG without one
+        negative = self._encode(negative_text, params) if negative_text is not None else None
         microgroups, images = [], []
         with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not self.progress,
                   unit="step") as bar:

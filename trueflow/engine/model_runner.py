@@ -78,6 +78,7 @@ class ModelRunner:
             update_lora_packed(model, buckets, scale, merge_mode)
         else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
             model.lora_arena = None
+            assert isinstance(state, dict)  # a list of buckets took the branch above
             lora.update_lora(model, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -133,6 +134,7 @@ class ModelRunner:
         # than on the contiguous micro-batch the train side stacks from the record (and the CUDA graphs need it).
         shape = pipe.noise_shape(self.transformer.config, grid)
         x = pipe.pack_latents(sample_noise(shape, gens, pipe.latent_dtype or self.dtype, self.device)).contiguous()
+        records: list[StepRecord] | None
         latents, guided, records = [x], [], [] if record else None
         log_probs = torch.zeros(params.steps, b, dtype=torch.float32, device=self.device)
         # The expert of each step, from its schedule timestep (WanPipeline's boundary switch); recorded.
@@ -159,11 +161,11 @@ class ModelRunner:
                     step = cps_step(x, v, sigmas[i], sigmas[i + 1], params.noise_level, noise, x.dtype)
                 log_probs[i] = step.log_prob
                 guided.append(v)
-                if record:
+                if records is not None:  # `record`
                     records.append(StepRecord(pos_out, neg_out, v, step.mean, step.std, noise))
                 x = step.x_next
             else:
-                if record:
+                if records is not None:  # `record`
                     records.append(StepRecord(pos_out, neg_out, v))
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1])
             latents.append(x)

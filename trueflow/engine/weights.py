@@ -4,6 +4,8 @@ LoRA sync) is `models.lora`'s."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .. import loading
@@ -30,7 +32,7 @@ def build_engine_transformer(
     return model
 
 
-def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = torch.bfloat16,
+def load_engine_transformer(checkpoint: str | Path, device="cpu", dtype: torch.dtype = torch.bfloat16,
                             patch_group: str = "none", disabled_patches=(), family: str | None = None,
                             subfolder: str = "transformer") -> EngineModel:
     """The engine model of the checkpoint's transformer `subfolder` (an expert's pipeline component)."""

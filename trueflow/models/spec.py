@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from ..collate import Cond
 from .tp_plan import TPPlan
 from ..patches import PatchGroup
 
+T = TypeVar("T")
 Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video
 
 
@@ -62,6 +63,11 @@ class BuildModel(Protocol):
         """A transformer config -> the family's engine model on `device` in `dtype`, parameters unset."""
 
 
+class ParsePeft(Protocol):
+    def __call__(self, state_dict: Mapping[str, T], /) -> dict[str, tuple[T, T]]:
+        """PEFT-named LoRA tensors (or their shapes) -> {diffusers module: (A, B)}; WeightLoadError if not."""
+
+
 class SetLora(Protocol):
     def __call__(self, model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
                  merge: bool, check_only: bool = False) -> None:
@@ -87,7 +93,7 @@ class EngineSide:
 
     build_model: BuildModel  # transformer config -> model, parameters unset
     load_weights: Callable[[nn.Module, dict[str, torch.Tensor]], None]  # diffusers-named tensors, all or nothing
-    parse_peft_state_dict: Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    parse_peft_state_dict: ParsePeft
     set_lora: SetLora  # (model, {diffusers module: (A, B)}, scale, merge, check_only=False)
     map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
     diffusers_module_name: DiffusersModuleName  # (engine module, slot=None) -> diffusers module: the inverse
@@ -172,6 +178,8 @@ class Presets:
 
 
 class GuidanceFormula(Protocol):
+    __name__: str  # a function's (snapshots record it)
+
     def __call__(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
         """The guided model output from the two branches' outputs (`models.cfg`: `plain_cfg`, `rescaled_cfg`);
         `scale` a python float, as the pipelines keep it."""

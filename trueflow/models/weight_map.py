@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -204,10 +204,13 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: N
             (param[rows] if rows is not None else param).copy_(t)
 
 
-def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+T = TypeVar("T")  # what the names map to: tensors, or their shapes (`lora_files` reads a file's header)
+
+
+def parse_peft_state_dict(state_dict: Mapping[str, T]) -> dict[str, tuple[T, T]]:
     """PEFT/diffusers LoRA tensors -> {diffusers module name: (A, B)}. Accepts the prefixes PEFT and diffusers
     write (`base_model.model.`, `transformer.`) and PEFT's `.default` adapter infix."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    pairs: dict[str, dict[str, T]] = {}
     bad = []
     for key, t in state_dict.items():
         m = re.match(r"^(?:base_model\.model\.|transformer\.)?(.+)\.lora_([AB])(?:\.default)?\.weight$", key)
