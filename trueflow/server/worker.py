@@ -86,6 +86,7 @@ class Worker:
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
+            error: BaseException | None
             result, error = None, None
             if job.should_stop():
                 error = RolloutCancelled("stopped before it started")
