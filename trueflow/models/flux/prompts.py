@@ -16,7 +16,7 @@ re-scores with the embeddings the engine recorded (parity condition 7, docs/patc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -48,7 +48,8 @@ def load_text(root: str | Path, device: torch.device | str,
     tokenizers = AutoTokenizer.from_pretrained(root / "tokenizer"), AutoTokenizer.from_pretrained(root / "tokenizer_2")
     module = TextModule(CLIPTextModel.from_pretrained(root / "text_encoder", dtype=dtype),
                         T5EncoderModel.from_pretrained(root / "text_encoder_2", dtype=dtype))
-    return tokenizers, module.to(device).eval()
+    # AutoTokenizer makes the classes the checkpoint's tokenizer configs name (FluxPipeline's CLIP and T5 ones)
+    return cast("tuple[CLIPTokenizer, T5Tokenizer]", tokenizers), module.to(device).eval()
 
 
 @torch.no_grad()

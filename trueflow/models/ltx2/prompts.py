@@ -75,7 +75,7 @@ def encode_prompts(tokenizer: "GemmaTokenizer", text_module: TextModule, prompts
     The prompts are encoded as one batch, as the pipeline encodes a list (unguided; with guidance it encodes the
     negatives in their own batch, then runs the connectors on [negatives, prompts])."""
     text_encoder, connectors = text_module.text_encoder, text_module.connectors
-    registers = connectors.config.video_connector_num_learnable_registers
+    registers = connectors.config["video_connector_num_learnable_registers"]
     if max_sequence_length < 1 or (registers and max_sequence_length % registers):
         raise ValueError(f"max_sequence_length must be a positive multiple of the connectors' {registers} learnable "
                          f"registers, got {max_sequence_length}")

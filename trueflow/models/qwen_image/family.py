@@ -30,7 +30,7 @@ def _load_text(root: Path, device: torch.device, dtype: torch.dtype):
 
     tokenizer = Qwen2Tokenizer.from_pretrained(root / "tokenizer")
     text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=dtype)
-    return tokenizer, text_encoder.to(device).eval()
+    return tokenizer, text_encoder.to(device).eval()  # type: ignore[arg-type]  # transformers' `@wraps` .to, typed unbound by typeshed
 
 
 def _encode_prompts(tokenizer, text_encoder, prompts: list[str], max_sequence_length: int) -> list[Cond]:

@@ -93,7 +93,7 @@ def build_clip(tokenizer: CLIPTokenizer, width: int, act: str, seed: int) -> CLI
 def build_t5(tokenizer: T5Tokenizer, width: int, seed: int) -> T5EncoderModel:
     """A two-layer T5 v1.1 encoder (gated GELU, no biases) of `width`, d_ff 2.5x as T5-XXL's 10240/4096."""
     heads = _heads(width)
-    config = T5Config(
+    config = T5Config(  # type: ignore[call-arg]  # transformers' T5Config takes these legacy kwargs (__post_init__), untyped
         vocab_size=-(-len(tokenizer) // 64) * 64, d_model=width, d_kv=width // heads, d_ff=5 * width // 2,
         num_layers=TEXT_LAYERS, num_heads=heads, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
