@@ -18,19 +18,25 @@ Rows (each pairing is a train-side diffusers backend and the patch group made fo
                             preferred), CUDA graphs; not bitwise by design (its diff to diffusers is reported)
     diffusers_flash_graph   diffusers `_native_flash`, the whole step captured in one CUDA graph: the strongest
                             baseline at small shapes                                         (CUDA, --graph-shapes)
+    diffusers_batch_invariant  diffusers eager in the batch-invariant mode: its `trueflow_batch_invariant`
+                            attention backend, the process's GEMMs on the batch-invariant kernels (the mode's reference)
+    engine_batch_invariant  engine, group `qwen_image:trueflow_batch_invariant` (the mode: batch-invariant GEMMs and
+                            attention), kernels, CUDA graphs, the two branches as two forwards
+    engine_batch_invariant_cfg  the same engine with both CFG branches as one forward of twice the batch (what the
+                            mode allows: bitwise the two forwards)
     diffusers_compile       diffusers with regional torch.compile (`compile_repeated_blocks(fullgraph=True)`): the
                             strongest baseline at large shapes. Compiling changes the model in place, so these rows
                             run in a second phase after every shape's first phase, interleaved with the engine rows
                             again (each engine row appears once per phase)                 (CUDA, --compile-shapes)
 
 Check: each engine row's guided velocity and next latent are bitwise its pairing's diffusers ones (the unfused row's
-pairing is flash). Timing: after `--warmup` steps per row (graph capture included), `--repeats` rounds; each round
-runs one step of every row, in order, so slow drifts of the clock hit all rows alike. Each step starts on an idle
-device and is timed with CUDA events (the host clock on a CPU). Reported: median and min-max per row, and each row's
-speed-up over both diffusers rows (median ratio; "tie" when the min-max ranges overlap). The JSON is rewritten after
-every shape. Exit status 1 if a pairing is not bitwise. `--size tiny` is a CPU smoke run (cuDNN rows are skipped,
-times are meaningless).
-"""
+pairing is flash; the mode's rows', diffusers_batch_invariant). The mode's GEMM kernels are process-wide: each row
+turns them on or off before its step, outside the timed region. Timing: after `--warmup` steps per row (graph capture
+included), `--repeats` rounds; each round runs one step of every row, in order, so slow drifts of the clock hit all
+rows alike. Each step starts on an idle device and is timed with CUDA events (the host clock on a CPU). Reported:
+median and min-max per row, and each row's speed-up over both diffusers rows (median ratio; "tie" when the min-max
+ranges overlap). The JSON is rewritten after every shape. Exit status 1 if a pairing is not bitwise. `--size tiny` is a
+CPU smoke run (cuDNN rows are skipped, times are meaningless). """
 
 from __future__ import annotations
 
@@ -46,15 +52,19 @@ from collections.abc import Callable
 import torch
 
 from rollout_vs_diffusers import (BF16, StepInputs, cudnn_attention_error, cudnn_first, diffusers_step, engine_step,
-                                  make_inputs, step_flops, time_once, whole_step_graph)
+                                  guided_step, make_inputs, step_flops, time_once, whole_step_graph)
 from trueflow import kernels
+from trueflow.kernels import batch_invariant as BI
 from trueflow.models.qwen_image.presets import build_transformer, transformer_config
+from trueflow.train.batch_invariant import register_backend
 from trueflow.engine.cuda_graph import GraphedForward
 from trueflow.engine.weights import build_engine_transformer
 from trueflow.models.qwen_image.patches import complex_fma
 from trueflow.models import apply_patch_group, get_group
 
 GOAL_SHAPE, GOAL_SPEEDUP = "1024x4", 1.2  # issue K: parity mode >= 1.2x diffusers `_native_flash` eager there
+BI_GOAL = 1.15  # issue N: the batch-invariant mode within 1.15x of parity mode's time at GOAL_SHAPE
+BI_GROUP = f"qwen_image:{BI.BACKEND}"
 
 
 @dataclass
@@ -67,6 +77,8 @@ class Row:
     triton: bool = True
     fast: bool = False  # the fast-mode engine (group none) instead of the parity engine
     graph: bool = False  # diffusers rows: the whole step in one CUDA graph
+    batch_invariant: bool = False  # the process's GEMMs on the batch-invariant kernels for this row's steps
+    batched_cfg: bool = False  # engine rows: both CFG branches as one forward
     times: list[float] = field(default_factory=list)
 
 
@@ -78,14 +90,21 @@ ROWS = [
     Row("engine_parity_unfused", "flash", "diffusers_flash", group="qwen_image", triton=False),
     Row("engine_fast", "auto", None, fast=True),
     Row("diffusers_flash_graph", "flash", "diffusers_flash", cuda_only=True, graph=True),
+    Row("diffusers_batch_invariant", "bi", None, batch_invariant=True),
+    Row("engine_batch_invariant", "bi", "diffusers_batch_invariant", group=BI_GROUP, batch_invariant=True),
+    Row("engine_batch_invariant_cfg", "bi", "diffusers_batch_invariant", group=BI_GROUP, batch_invariant=True,
+        batched_cfg=True),
 ]
 COMPILED_ROWS = [Row("diffusers_compile", "default", None, cuda_only=True),
                  Row("engine_parity_cudnn", "cudnn", None, cuda_only=True, group="qwen_image:_native_cudnn"),
                  Row("engine_parity_flash", "flash", None, group="qwen_image"),
                  Row("engine_fast", "auto", None, fast=True)]
 DIFFUSERS_BACKENDS = {"diffusers_flash": "_native_flash", "diffusers_cudnn": "_native_cudnn",
-                      "diffusers_flash_graph": "_native_flash", "diffusers_compile": None}
+                      "diffusers_flash_graph": "_native_flash", "diffusers_compile": None,
+                      "diffusers_batch_invariant": BI.BACKEND}
 BASELINES = ("diffusers_flash", "diffusers_cudnn", "diffusers_flash_graph", "diffusers_compile")
+PARITY_ROWS = ("engine_parity_flash", "engine_parity_cudnn")
+BI_ROWS = ("engine_batch_invariant", "engine_batch_invariant_cfg")
 PIXELS_PER_TOKEN = 16
 
 
@@ -94,6 +113,17 @@ def parse_shape(text: str) -> tuple[int, int]:
     if not (res.isdigit() and batch.isdigit() and int(res) % PIXELS_PER_TOKEN == 0 and int(batch) > 0):
         raise argparse.ArgumentTypeError(f"shape {text!r} must be RESOLUTIONxBATCH, resolution a multiple of 16")
     return int(res), int(batch)
+
+
+def engine_step_batched_cfg(forward, inp: StepInputs) -> Callable[[], tuple]:
+    """The guided step with both branches as one forward of twice the batch (both texts are TEXT_LEN long, so no
+    mask), split back before the guidance: the batch-invariant mode's CFG."""
+    x, t, text = torch.cat([inp.x, inp.x]), torch.cat([inp.t, inp.t]), torch.cat([inp.pos, inp.neg])
+
+    def step() -> tuple:
+        out = forward(hidden_states=x, encoder_hidden_states=text, timestep=t, grid=inp.img_shape)
+        return guided_step(out[:inp.x.shape[0]], out[inp.x.shape[0]:], inp)
+    return step
 
 
 class Bench:
@@ -108,7 +138,12 @@ class Bench:
             json.dump({"info": self.info, "rows": self.results}, f, indent=1)
 
     def prepare(self, row: Row, engine) -> None:
-        """The row's settings, outside the timed region: its patch group (the pairing) and the kernel switch."""
+        """The row's settings, outside the timed region: the mode's GEMM kernels on or off, its patch group (the
+        pairing) and the kernel switch."""
+        if row.batch_invariant:
+            BI.enable()
+        else:
+            BI.disable()
         kernels.ENABLED = row.triton and self.info["triton_kernels"]
         if row.group is not None:
             apply_patch_group(engine, row.group, self.args.disable_patch)
@@ -136,7 +171,8 @@ class Bench:
                 with cudnn_first():
                     return graphed()
             return fast
-        return engine_step(GraphedForward(engines["parity"]), inp)
+        forward = GraphedForward(engines["parity"])
+        return engine_step_batched_cfg(forward, inp) if row.batched_cfg else engine_step(forward, inp)
 
     def run_shape(self, shape: str, rows: list[Row], model, engines: dict, phase: str) -> None:
         """Warm every row up, then `--repeats` interleaved rounds; results tagged with `phase`."""
@@ -171,6 +207,7 @@ class Bench:
                     ms, outputs[row.name] = self.timed(steps[row.name])
                     row.times.append(ms)
         kernels.ENABLED = self.info["triton_kernels"]
+        BI.disable()
         flops = step_flops(self.config, res, batch)
         flash = outputs.get("diffusers_flash")
         for row in rows:
@@ -213,8 +250,7 @@ def fmt_speedups(r: dict) -> str:
 def goal_lines(results: list[dict]) -> list[str]:
     """Issue K's goals, each met or missed, from the rows that ran (a tie counts as not faster)."""
     ok = [r for r in results if "error" not in r]
-    parity = [r for r in ok
-              if r["row"] in ("engine_parity_flash", "engine_parity_cudnn") and r.get("bitwise") is not False]
+    parity = [r for r in ok if r["row"] in PARITY_ROWS and r.get("bitwise") is not False]
 
     def best(rows: list[dict], base: str, shape: str) -> dict | None:
         rows = [r for r in rows if r["shape"] == shape and f"speedup_vs_{base}" in r]
@@ -236,6 +272,18 @@ def goal_lines(results: list[dict]) -> list[str]:
             x, tie = r[f"speedup_vs_{base}"], r[f"tie_vs_{base}"]
             lines.append(f"goal: {text}: {r['row']} {x:.2f}x{' (tie)' if tie else ''} -> "
                          f"{'met' if x >= need and not tie else 'missed'}")
+    mode = [r for r in ok if r["row"] in BI_ROWS and r.get("bitwise") is not False]
+    for shape in sorted({r["shape"] for r in mode}):
+        here = [r for r in mode if r["shape"] == shape and r["phase"] == "eager"]
+        base = [r for r in parity if r["shape"] == shape and r["phase"] == "eager"]
+        if here and base:
+            fast, ref = min(here, key=lambda r: r["median_ms"]), min(base, key=lambda r: r["median_ms"])
+            ratio = fast["median_ms"] / ref["median_ms"]
+            goal = f" (goal <= {BI_GOAL}x at {GOAL_SHAPE}: {'met' if ratio <= BI_GOAL else 'missed'})" \
+                if shape == GOAL_SHAPE else ""
+            eager = fast.get("speedup_vs_diffusers_flash")
+            lines.append(f"batch-invariant mode at {shape}: {fast['row']} {ratio:.2f}x the time of {ref['row']}{goal}"
+                         + (f", {eager:.2f}x diffusers _native_flash eager" if eager is not None else ""))
     slower = [f"{r['row']} at {r['shape']} vs {b}" for r in parity for b in BASELINES
               if r.get(f"speedup_vs_{b}", 1.0) < 1.0 and not r.get(f"tie_vs_{b}")]
     lines.append("parity mode never slower than a diffusers row: "
@@ -245,17 +293,17 @@ def goal_lines(results: list[dict]) -> list[str]:
 
 def print_table(bench: Bench) -> bool:
     """The table, the goal lines; True if every pairing that ran is bitwise."""
-    head = (f"{'row':22s} {'shape':7s} {'phase':8s} {'attn':5s} {'median ms':>10s} {'min-max ms':>19s} {'TFLOP/s':>8s} "
+    head = (f"{'row':27s} {'shape':7s} {'phase':8s} {'attn':5s} {'median ms':>10s} {'min-max ms':>19s} {'TFLOP/s':>8s} "
             f"{'bitwise':>8s}  speed-up over (same phase)")
     print("\n" + head + "\n" + "-" * len(head))
     ok = True
     for r in bench.results:
         if "error" in r:
-            print(f"{r['row']:22s} {r['shape']:7s} {r['phase']:8s} {r['attention']:5s} {r['error']}")
+            print(f"{r['row']:27s} {r['shape']:7s} {r['phase']:8s} {r['attention']:5s} {r['error']}")
             continue
         bit = "-" if r["bitwise"] is None and "bitwise_error" not in r else str(r["bitwise"])
         ok &= r["bitwise"] is not False and "bitwise_error" not in r
-        print(f"{r['row']:22s} {r['shape']:7s} {r['phase']:8s} {r['attention']:5s} {r['median_ms']:10.2f} "
+        print(f"{r['row']:27s} {r['shape']:7s} {r['phase']:8s} {r['attention']:5s} {r['median_ms']:10.2f} "
               f"{r['min_ms']:9.2f}-{r['max_ms']:<9.2f} {r['tflops']:8.1f} {bit:>8s}  {fmt_speedups(r)}"
               + (f"  ({r['note']})" if r["note"] else ""))
     for line in goal_lines(bench.results):
@@ -300,10 +348,14 @@ def main() -> int:
     bench = Bench(args, config, device)
     import diffusers  # the benchmark's one diffusers import besides the presets; never in engine code
 
+    register_backend()  # the mode's diffusers backend (its GEMM kernels are switched per row)
+    BI.disable()
+
     bench.info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
                   "device": torch.cuda.get_device_name() if bench.cuda else platform.processor(), "size": args.size,
                   "date": time.strftime("%Y-%m-%d"), "triton_kernels": kernels.ENABLED, "warmup": args.warmup,
                   "repeats": args.repeats, "disabled_patches": args.disable_patch,
+                  "batch_invariant_tiles": {"cpu_gemm_rows": BI.M_TILE, "cpu_attention_queries": BI.Q_TILE},
                   "cudnn_version": torch.backends.cudnn.version() if bench.cuda else None}
     if kernels.HAS_TRITON:
         import triton

@@ -26,6 +26,27 @@ EPS = 1e-6  # every norm of Qwen-Image's transformer uses eps 1e-6
 TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console script
 
 
+# -- the batch-invariant mode ----------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _batch_invariant_mode_left_off():
+    """No test leaves the batch-invariant mode's process-wide GEMM overrides on for the next one (an engine built in
+    the mode turns them on): everything outside the mode keeps the stock kernels, and its bits."""
+    yield
+    from trueflow.kernels import batch_invariant
+
+    batch_invariant.disable()
+
+
+@pytest.fixture
+def bi_mode():
+    """The batch-invariant mode for one test (its GEMMs overridden; off again afterwards)."""
+    from trueflow.kernels import batch_invariant
+
+    batch_invariant.enable()
+    yield
+    batch_invariant.disable()
+
+
 # -- checkpoints ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -99,6 +120,26 @@ def flux_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trueflow.checkpoints import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("flux") / "tiny", family="flux")
+
+
+@pytest.fixture(scope="session")
+def wan_a14b_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny Wan2.2-A14B pipeline folder (two experts, boundary 0.875; seed 0, fp32), written once, read-only."""
+    from trueflow.models.wan.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("wan_a14b")
+    write_checkpoint(out, "tiny", 0, torch.float32, "cpu")
+    return out
+
+
+@pytest.fixture(scope="session")
+def wan_ti2v_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ONE tiny Wan2.2-TI2V-5B pipeline folder (one transformer, per-token timesteps, the z48 VAE; seed 0, fp32)."""
+    from trueflow.models.wan.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("wan_ti2v")
+    write_checkpoint(out, "tiny_ti2v", 0, torch.float32, "cpu")
+    return out
 
 
 # LTX2Pipeline with guidance, STG, modality guidance and rescale off for both streams: the audio scales default to

@@ -28,18 +28,22 @@ FAMILIES = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/family.py"
 DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qwen_image/schedule.py",
                         "trueflow/models/ltx2/vae.py", "trueflow/models/ltx2/schedule.py",
                         "trueflow/models/sd3/vae.py", "trueflow/models/sd3/schedule.py",
-                        "trueflow/models/flux/vae.py", "trueflow/models/flux/schedule.py"}
+                        "trueflow/models/flux/vae.py", "trueflow/models/flux/schedule.py",
+                        "trueflow/models/wan/vae.py"}
 # A family's train side in its folder: diffusers' reference model built from a preset, and the checkpoint writer.
 # The engine never imports them (the closure test), only the family spec's functions do, when called.
 TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py",
                     "trueflow/models/ltx2/presets.py", "trueflow/models/ltx2/checkpoint.py",
                     "trueflow/models/sd3/presets.py", "trueflow/models/sd3/checkpoint.py",
-                    "trueflow/models/flux/presets.py", "trueflow/models/flux/checkpoint.py"}
+                    "trueflow/models/flux/presets.py", "trueflow/models/flux/checkpoint.py",
+                    "trueflow/models/wan/presets.py", "trueflow/models/wan/checkpoint.py"}
 NO_IO_FILES = ["trueflow/models/qwen_image/transformer.py", "trueflow/models/qwen_image/weights.py",
                "trueflow/models/qwen_image/patches.py", "trueflow/models/qwen_image/latents.py",
                "trueflow/models/qwen_image/train.py", "trueflow/models/weight_map.py",
                *(f"trueflow/models/{family}/{f}.py" for family in ("sd3", "flux")
-                 for f in ("transformer", "weights", "patches", "latents", "train", "pipeline")), *sorted(
+                 for f in ("transformer", "weights", "patches", "latents", "train", "pipeline")),
+               *(f"trueflow/models/wan/{f}.py" for f in ("transformer", "weights", "patches", "latents", "train",
+                                                         "pipeline", "family")), *sorted(
                    str(p.relative_to(ROOT)) for p in (PACKAGE / "layers").glob("*.py"))]
 # Runtime check: these engine modules, imported alone, must not load diffusers' models.
 ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwen_image.weights",
@@ -48,6 +52,7 @@ ENGINE_MODULES = ["trueflow.models.qwen_image.transformer", "trueflow.models.qwe
                   "trueflow.models.sd3.family",
                   "trueflow.models.flux.transformer", "trueflow.models.flux.weights", "trueflow.models.flux.patches",
                   "trueflow.models.flux.family",
+                  "trueflow.models.wan.transformer", "trueflow.models.wan.patches", "trueflow.models.wan.family",
                   "trueflow.models.weight_map",
                   "trueflow.engine.weights", "trueflow.models.lora", "trueflow.engine.sampling_params",
                   "trueflow.engine.model_runner",

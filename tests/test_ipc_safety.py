@@ -129,7 +129,7 @@ def test_a_payload_naming_a_victim_file_is_refused_and_the_file_keeps_its_bytes(
     (0o644, 512 + shm.HEADER, bytes(32), "open to other users"),
     (0o600, 4096, bytes(32), "4096 bytes, not the 576 its payload declares"),
     (0o600, 512 + shm.HEADER, secrets.token_bytes(32), "another update's nonce"),
-])
+], ids=["open to other users", "another size", "another nonce"])  # fixed ids: the same tests on every xdist worker
 def test_a_look_alike_segment_is_refused_untouched(url, mode, size, nonce, says):
     """A file named like a trueflow segment but made by someone else: its mode, its size (never grown to the one
     declared) or its header (another nonce) gives it away."""

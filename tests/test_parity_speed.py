@@ -1,6 +1,6 @@
 """`benchmarks/parity_speed.py --size tiny`: the CPU smoke run of the parity check-and-benchmark script. It checks
-the flash pairing bitwise (cuDNN has no CPU kernel: those rows are skipped), times interleaved rounds, writes JSON,
-and exits 1 when a pairing is not bitwise (a patch switched off)."""
+the flash pairing and the batch-invariant mode's rows bitwise (cuDNN has no CPU kernel: those rows are skipped),
+times interleaved rounds, writes JSON, and exits 1 when a pairing is not bitwise (a patch switched off)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def test_smoke_run_is_bitwise(tmp_path):
             assert rows[name, shape]["error"] == "skipped: needs CUDA"
         fast = rows["engine_fast", shape]  # fast mode: timed, not bitwise by design, its distance reported
         assert fast["bitwise"] is None and fast["patch_group"] == "none" and fast["max_abs_diff_vs_diffusers_flash"] > 0
+        for name in ("engine_batch_invariant", "engine_batch_invariant_cfg"):  # the mode, against its diffusers row
+            r = rows[name, shape]
+            assert r["bitwise"] is True and r["reference"] == "diffusers_batch_invariant"
+            assert r["patch_group"] == "qwen_image:trueflow_batch_invariant" and len(r["times_ms"]) == 2
+        assert rows["diffusers_batch_invariant", shape]["speedup_vs_diffusers_flash"] > 0
+    assert "batch-invariant mode at 32x2: engine_batch_invariant" in proc.stdout
 
 
 def test_a_switched_off_patch_fails_the_check(tmp_path):

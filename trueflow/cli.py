@@ -46,12 +46,16 @@ def _pipeline_family(checkpoint: str, family: str | None = None, whole: bool = T
 
 
 def _check_engine_options(a: argparse.Namespace, fam: ModelFamily) -> None:
-    """The patch group (default: the family's parity group; another family's refused), the patches switched off,
-    the thread count: `a` is updated in place."""
+    """The patch group (default: the family's parity group; another family's refused; in the batch-invariant mode's
+    form with `--batch-invariant`), the patches switched off, the thread count: `a` is updated in place."""
     from .models import patch_group_for
     from .models import get_group
 
     a.patch_group = patch_group_for(fam, a.patch_group)
+    if a.batch_invariant:
+        from .patches import batch_invariant_group
+
+        a.patch_group = batch_invariant_group(a.patch_group)
     if a.disable_patch:
         group = get_group(a.patch_group)
         if group is None:
@@ -107,7 +111,8 @@ def _sampling_params(a: argparse.Namespace, fam: ModelFamily) -> SamplingParams:
         return SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
                               cfg_scale_2=a.cfg_scale_2, distilled_guidance_scale=a.distilled_guidance_scale,
                               negative_prompt=a.negative_prompt, height=height, width=width,
-                              num_frames=a.num_frames, fps=a.fps, max_sequence_length=a.max_sequence_length)
+                              num_frames=a.num_frames, fps=a.fps, max_sequence_length=a.max_sequence_length,
+                              image=getattr(a, "image", None))
     except ValueError as e:
         raise ValueError(_flag_named(str(e))) from None
 
@@ -180,6 +185,9 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="batch of the compared forward: B seeded "
                    "random inputs, the shape of a rollout microgroup of B (default: 1)")
     p.add_argument("--text-len", type=int, default=7, metavar="L", help="text tokens per sample (default: 7)")
+    p.add_argument("--train-micro-batch", type=int, default=None, metavar="N",
+                   help="run the train side in micro-batches of N samples against the engine's one batch: bitwise "
+                        "only with --batch-invariant (default: the whole batch, as one microgroup)")
     p.add_argument("--resolution", type=int, default=64, metavar="PX", help="image side in pixels, a multiple of "
                    "the family's granule (default: 64)")
     p.add_argument("--lora-rank", type=int, default=0,
@@ -191,8 +199,9 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
                    "such as transformer_2 (default: the first)")
     p.add_argument("--cfg-scale", type=float, default=1.0, help="> 1: compare a CFG step's guided output, the "
                    "branches run as the family runs them (default: 1, the model output)")
-    p.add_argument("--layer-report", choices=("all", "blocks"), default="all",
-                   help="modules compared per layer: all, or whole blocks only (less memory at full size)")
+    p.add_argument("--layer-report", choices=("all", "blocks", "none"), default="all",
+                   help="modules compared per layer: all, whole blocks only (less memory at full size), or none (the "
+                        "model output alone)")
     p.add_argument("--ablate", action="store_true", help="also run with each patch of the group switched off alone")
     add_output_dir(p, "also write inputs, engine output, LoRA and a manifest to DIR (docs/parity-probe.md)", "--save",
                    required=False)
@@ -234,7 +243,8 @@ def _run_parity(a: argparse.Namespace) -> int:
     spec = ProbeSpec(checkpoint=a.checkpoint, random_size=a.random_size, batch=a.batch, text_len=a.text_len,
                      resolution=a.resolution, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, dtype=a.dtype,
                      seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
-                     layer_report=a.layer_report, expert=a.expert, cfg_scale=a.cfg_scale, family=a.family)
+                     layer_report=a.layer_report, expert=a.expert, cfg_scale=a.cfg_scale, family=a.family,
+                     batch_invariant=a.batch_invariant, train_micro_batch=a.train_micro_batch)
     result: ProbeResult  # a TPProbeResult under --tp
     if a.tp != 1 or a.train_tp_match is not None:
         from .parity.tp import run_tp_probe
@@ -282,6 +292,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    "count (LTX-2.3: 8k + 1) writes MP4s and frame strips (default: 1)")
     p.add_argument("--fps", type=float, default=24.0, help="a video's frame rate: what a video family conditions on "
                    "and the MP4s play at (default: 24)")
+    p.add_argument("--image", metavar="FILE", help="image-to-video: the first frame, an image file (a family or "
+                   "layout that takes one: Wan2.2 TI2V-5B); default: text-to-video")
     add_engine_options(p)
     add_lora_options(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each "
@@ -501,6 +513,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "checkpoints weight updates may name by path (default: none; path updates are refused)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine, one process each (on CUDA "
                    "rank r on GPU r; docs/tensor-parallel.md; default: 1, in this process)")
+    p.add_argument("--max-merged", type=int, default=8, metavar="N", help="with --batch-invariant: most rollouts run "
+                   "at once with their forwards merged into one batch (default: 8)")
     # The defaults are `server.Limits`' (a test keeps them equal; importing it here would load torch).
     for flag, kind, default, what in [
             ("--max-steps", int, 100, "most denoising steps per sample"),
@@ -520,6 +534,8 @@ def _run_serve(a: argparse.Namespace) -> int:
 
     limits = Limits(a.max_steps, a.max_pixels, a.max_frames, a.max_prompt_tokens, a.max_samples, a.max_queue,
                     a.request_timeout)  # checked before the engine loads
+    if a.max_merged < 1:
+        raise ValueError(f"--max-merged must be >= 1, got {a.max_merged}")
     if a.weights_root is not None and not os.path.isdir(a.weights_root):
         raise FileNotFoundError(f"--weights-root {a.weights_root}: no such folder")
     fam = _pipeline_family(a.checkpoint)
@@ -536,7 +552,7 @@ def _run_serve(a: argparse.Namespace) -> int:
     from .server import serve
 
     serve(*_engine_placement(a, threads=torch.get_num_threads()), host=a.host, port=a.port, limits=limits,
-          default_seed=a.seed, weights_root=a.weights_root, lora=lora)
+          default_seed=a.seed, weights_root=a.weights_root, lora=lora, max_merged=a.max_merged)
     return 0
 
 

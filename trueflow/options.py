@@ -88,6 +88,10 @@ def add_engine_options(p: argparse.ArgumentParser, seed: int | None = 0,
                         "engine train-exact; 'none' keeps its fast numerics (default: the family's parity group)")
     p.add_argument("--disable-patch", action="append", default=[], metavar="NAME",
                    help="switch one patch of the group off (repeatable); see `trueflow patches`")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant parity mode: batch-invariant GEMMs and per-sample attention on both sides, "
+                        "so parity holds whatever the batch shapes and text lengths (docs/patch-group.md; default: "
+                        "off)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default: bf16)")
     p.add_argument("--seed", type=int, default=seed, help=seed_help)
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")

@@ -26,7 +26,7 @@ def set_on(kinds: type | tuple[type, ...], attr: str, value) -> Callable[[nn.Mod
 class Patch:
     name: str
     summary: str  # what the patch makes exact, in one line
-    apply: Callable[[nn.Module], None]
+    apply: Callable[[nn.Module], object]  # its return value, if any, is unused
 
 
 @dataclass(frozen=True)
@@ -37,3 +37,41 @@ class PatchGroup:
     @property
     def patch_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.patches)
+
+
+def batch_invariant_group(name: str) -> str:
+    """The patch group of the batch-invariant mode for group `name` (`qwen_image` becomes
+    `qwen_image:trueflow_batch_invariant`): what `--batch-invariant` makes of a verb's `--patch-group`. Refused in
+    one line for `none` (the mode adds to a group's train-exact numerics) and for a group paired with another train
+    backend."""
+    from .kernels.batch_invariant import BACKEND
+
+    group, _, backend = name.partition(":")
+    if group == "none":
+        raise ValueError("--batch-invariant adds to a patch group's train-exact numerics: give --patch-group (e.g. "
+                         "qwen_image), not none")
+    if backend and backend != BACKEND:
+        raise ValueError(f"--batch-invariant pairs the engine with the train side's {BACKEND} attention backend, "
+                         f"not {backend}: use --patch-group {group}")
+    from .models import get_group
+
+    get_group(f"{group}:{BACKEND}")  # an unknown group is refused with the known names
+    return f"{group}:{BACKEND}"
+
+
+def _batch_invariant(model: nn.Module) -> None:
+    """The batch-invariant mode (docs/patch-group.md): this process's GEMMs on the batch-invariant kernels
+    (`kernels.batch_invariant.enable`, process-wide: the engine's process is where it runs), every attention call of
+    the model on the `batch_invariant` kernel, and the model marked, so its runner may batch what the mode makes
+    batch-invariant (the CFG branches, several prompts' microgroups)."""
+    from .kernels import batch_invariant
+    from .layers.attention import set_kernel
+
+    batch_invariant.enable()
+    set_kernel(model, batch_invariant.KERNEL)
+    model.batch_invariant = True  # type: ignore[assignment]  # torch's stub: Module.__setattr__ takes only Tensor | Module
+
+
+BATCH_INVARIANT_PATCH = Patch("batch_invariant", "batch-invariant GEMMs and per-sample attention over each sample's "
+                                                 "own keys (the train side's trueflow_batch_invariant backend)",
+                              _batch_invariant)

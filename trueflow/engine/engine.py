@@ -29,6 +29,7 @@ from ..loading import CheckpointError
 from ..models import checkpoint_experts, family_for_checkpoint
 from ..sync.buckets import Bucket, unpack
 from . import weights
+from .batcher import ForwardBatcher
 from .guidance import distilled_entry, negative_prompt
 from .interface import RolloutRequest, StopCheck
 from .model_runner import ModelRunner
@@ -130,6 +131,11 @@ class Engine:
     def shutdown(self) -> None:
         """Nothing to release: the engine lives and ends with this process."""
 
+    def merge_forwards(self) -> ForwardBatcher:
+        """Rollouts run concurrently on threads, each inside the returned batcher's `participant()`, share one forward
+        per round from now on (the server's worker does this in the batch-invariant mode; refused outside it)."""
+        return self.runner.merge_forwards()
+
     # -- rollout -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, request: RolloutRequest, should_stop: StopCheck | None = None) -> Rollout:
@@ -144,34 +150,60 @@ class Engine:
         if not prompts:
             raise ValueError("rollout needs at least one prompt")
         size = params.rollout_microgroup_size or n_per_prompt
-        if n_per_prompt < 1 or n_per_prompt % size:
+        # In the batch-invariant mode a microgroup may hold several whole prompts (their text lengths masked).
+        spans = self.runner.batch_invariant and n_per_prompt >= 1 and size > n_per_prompt and size % n_per_prompt == 0
+        if (n_per_prompt < 1 or n_per_prompt % size) and not spans:
             raise ValueError(f"n_per_prompt={n_per_prompt} must be a positive multiple of rollout_microgroup_size="
                              f"{size}: every microgroup has the train micro-batch's size (parity condition 4, "
-                             f"docs/patch-group.md)")
+                             f"docs/patch-group.md)" + (" (or, in the batch-invariant mode, the microgroup a multiple "
+                                                        "of it: whole prompts)" if self.runner.batch_invariant else ""))
         pipe = self.family.pipeline
         check_family_limits(params, self.family, len(self.experts))
         # The negative prompt the CFG branch runs with (a request naming none takes the family's), recorded as run.
         params = replace(params, negative_prompt=negative_prompt(self.family.guidance, params.negative_prompt))
         grid = pipe.latent_grid(params.height, params.width, params.num_frames)
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
+        # The first frame of image-to-video: one conditioning of every sample, in both branches (the pipeline hands
+        # both the same model input).
+        assert not params.image or pipe.image_cond is not None  # check_family_limits refused an image otherwise
+        image = pipe.image_cond(self.vae, params.image, params.height, params.width) \
+            if params.image and pipe.image_cond is not None else {}
         negative_text = params.negative_prompt if params.cfg else None
         assert not params.cfg or negative_text is not None  # check_family_limits refused CFG without one
-        negative = self._encode(negative_text, params) if negative_text is not None else None
+        negative = {**self._encode(negative_text, params), **image} if negative_text is not None else None
         microgroups, images = [], []
-        with tqdm(total=len(prompts) * n_per_prompt // size * params.steps, disable=not self.progress,
-                  unit="step") as bar:
-            for p, prompt in enumerate(prompts):
-                positive = self._encode(prompt, params)
-                g = request.first_prompt + p  # the global prompt index: what the random streams follow
-                for m, first in enumerate(range(0, n_per_prompt, size)):
-                    ks = range(first, first + size)
-                    gens = [torch.Generator().manual_seed(derive_seed(seed, _NOISE_STREAM, g, k)) for k in ks]
-                    mg = self.runner.denoise(p, [p * n_per_prompt + k for k in ks], gens, (positive, negative),
-                                             grid, (sigmas, timesteps), params, self._sde_steps(params, seed, g, m),
-                                             request.record_snapshot, bar, should_stop)
-                    microgroups.append(mg)
-                    if request.decode:
-                        images.append(self.vae.decode(mg.latents[-1], params.height, params.width, params.num_frames))
+        # Each microgroup as [(prompt, its first sample, samples)]: a prompt's microgroups one after another, or
+        # (spanning) whole prompts, `size // n_per_prompt` of them per microgroup.
+        if spans:
+            per = size // n_per_prompt
+            groups = [[(p, 0, n_per_prompt) for p in range(q, min(q + per, len(prompts)))]
+                      for q in range(0, len(prompts), per)]
+        else:
+            groups = [[(p, first, size)] for p in range(len(prompts)) for first in range(0, n_per_prompt, size)]
+        with tqdm(total=len(groups) * params.steps, disable=not self.progress, unit="step") as bar:
+            encoded: dict[int, Cond] = {}
+            for group in groups:
+                conds, gens, samples = [], [], []
+                for p, first, count in group:
+                    if p not in encoded:  # each prompt encoded once (its microgroups follow one another)
+                        encoded[p] = {**self._encode(prompts[p], params), **image}
+                    g = request.first_prompt + p  # the global prompt index: what the random streams follow
+                    ks = range(first, first + count)
+                    gens += [torch.Generator().manual_seed(derive_seed(seed, _NOISE_STREAM, g, k)) for k in ks]
+                    samples += [p * n_per_prompt + k for k in ks]
+                    conds += [encoded[p]] * count
+                # the SDE window follows the microgroup's first (prompt, microgroup of that prompt)
+                p0, first0, _ = group[0]
+                positive = conds[0] if len(group) == 1 else conds
+                mg = self.runner.denoise(p0, samples, gens, (positive, negative), grid, (sigmas, timesteps), params,
+                                         self._sde_steps(params, seed, request.first_prompt + p0, first0 // size),
+                                         request.record_snapshot, bar, should_stop)
+                microgroups.append(mg)
+                if request.decode:
+                    final = mg.latents[-1]
+                    if pipe.final_latents is not None:  # e.g. image-to-video's first frame put back
+                        final = pipe.final_latents(final, mg.cond)
+                    images.append(self.vae.decode(final, params.height, params.width, params.num_frames))
         info = {"checkpoint": self.checkpoint, "family": self.family.name,
                 "experts": [e.name for e in self.experts], "patch_group": self.patch_group,
                 "disabled_patches": list(self.disabled_patches),

@@ -2,8 +2,9 @@
 microgroup over them.
 
 Each step runs on the expert that serves its timestep (`models.spec.Expert`, recorded per step), guided as the
-family declares (`guidance.guide`: two separate branch forwards, one batched forward, or the positive branch alone),
-then an ODE step or, inside the SDE window, a stochastic step with its log-prob. Everything family-specific (the
+family declares (`guidance.guide`: two separate branch forwards, one batched forward, or the positive branch alone;
+in the batch-invariant mode always one batched forward, whose rows are the separate calls' bits), then an ODE step
+or, inside the SDE window, a stochastic step with its log-prob. Everything family-specific (the
 conditioning's streams, the initial noise's layout and its packing into tokens, the latents' dtype, what the
 pipeline makes of the model's output) comes from the model family.
 
@@ -15,6 +16,9 @@ one-expert engine therefore holds, sends and checksums exactly what it did befor
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -29,6 +33,7 @@ from ..models import lora
 from ..models.weight_map import OwnedWeights
 from . import weights
 from .lora_arena import as_buckets, lora_checksum, update_lora_packed
+from .batcher import ForwardBatcher
 from .cuda_graph import GraphedForward
 from .guidance import BranchForward, expert_scale, guide
 from .interface import RolloutCancelled
@@ -49,7 +54,28 @@ class ModelRunner:
         self.transformers = [m for _, m in experts]
         self.transformer = self.transformers[0]
         self.family, self.device, self.dtype = family, device, dtype
-        self.forwards = [GraphedForward(m, enabled=cuda_graphs and device.type == "cuda") for m in self.transformers]
+        self.forwards: list[Callable[..., torch.Tensor]] = [
+            GraphedForward(m, enabled=cuda_graphs and device.type == "cuda") for m in self.transformers]
+        # The batch-invariant mode (its patch marks each model): a sample's rows are the bits of its own call there,
+        # so the CFG branches run as one forward, a microgroup may hold several prompts, and several rollouts'
+        # forwards may merge (`merge_forwards`).
+        self.batch_invariant = all(getattr(m, "batch_invariant", False) for m in self.transformers)
+        self.guidance = replace(family.guidance, branches="batched") if self.batch_invariant and \
+            family.guidance.branches == "separate" else family.guidance
+        self.batcher: ForwardBatcher | None = None
+
+    def merge_forwards(self) -> ForwardBatcher:
+        """From now on, rollouts run concurrently (each inside `batcher.participant()`) share one forward per round
+        (`engine.batcher`; a round merges only calls on the same expert); batch-invariant mode only. A rollout alone
+        keeps its CUDA graphs; a merged batch runs eagerly (its shape changes with what merges: a graph per
+        composition would not pay)."""
+        if not self.batch_invariant:
+            raise ValueError("merging rollouts' forwards needs the batch-invariant mode (--batch-invariant): outside "
+                             "it a sample's bits depend on the batch it runs in")
+        if self.batcher is None:
+            self.batcher = ForwardBatcher(self.forwards, self.transformers, self.family.pipeline.text_streams)
+            self.forwards = [partial(self.batcher, k) for k in range(len(self.transformers))]
+        return self.batcher
 
     # -- weights -------------------------------------------------------------------------------------------
     def update_lora(self, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
@@ -91,7 +117,9 @@ class ModelRunner:
                              "with --tp 1, or start the engine from a checkpoint holding them")
         owned = isinstance(state_dict, OwnedWeights)
         parts = split_by_expert(state_dict, self.names) if len(self.transformers) > 1 else [state_dict]
-        parts = [OwnedWeights(p) if owned and not f.enabled else dict(p) for p, f in zip(parts, self.forwards)]
+        # the runner's GraphedForwards (`merge_forwards` wraps them; a merged runner takes no full-weight update)
+        parts = [OwnedWeights(p) if owned and not cast(GraphedForward, f).enabled else dict(p)
+                 for p, f in zip(parts, self.forwards)]
         if len(parts) > 1:  # checked first, so a bad part changes no expert
             for model, part in zip(self.transformers, parts):
                 weights.check_full(model, part)
@@ -118,15 +146,17 @@ class ModelRunner:
 
     # -- denoise loop --------------------------------------------------------------------------------------
     def denoise(self, p: int, sample_indices: list[int], gens: list[torch.Generator],
-                conds: tuple[Cond, Cond | None], grid: Grid,
+                conds: tuple[Cond | list[Cond], Cond | None], grid: Grid,
                 schedule: tuple[torch.Tensor, torch.Tensor], params: SamplingParams, sde_steps: list[int],
                 record: bool, bar: tqdm, should_stop: Callable[[], bool] | None = None) -> Microgroup:
         """One microgroup of prompt `p` through the whole denoise loop; `gens[i]` is sample i's generator;
-        `conds` the prompt's positive and negative conditioning, one sample's entries (no batch dim)."""
+        `conds` the prompt's positive and negative conditioning, one sample's entries (no batch dim); the positive one
+        may be a list, one entry per sample (several prompts in one microgroup: the batch-invariant mode)."""
         b, (sigmas, timesteps) = len(gens), schedule
         pipe = self.family.pipeline
-        # One prompt per microgroup: every row has the same length, so every mask collapses to None.
-        pos = collate_cond([conds[0]] * b, pipe.text_streams)
+        # One prompt per microgroup: every row has the same length, so every mask collapses to None. (In the
+        # batch-invariant mode a microgroup may hold several prompts, one entry per sample, collated with a mask.)
+        pos = collate_cond(conds[0] if isinstance(conds[0], list) else [conds[0]] * b, pipe.text_streams)
         neg = collate_cond([conds[1]] * b, pipe.text_streams) if conds[1] is not None else None
         static = pipe.static_inputs(params) if pipe.static_inputs is not None else {}
         # The pipeline's prepare_latents: drawn in the latent dtype, then packed into tokens. Made contiguous: a
@@ -148,7 +178,7 @@ class ModelRunner:
             # the pipeline does under the family's patch group, and keeps fp32 on the fast path.
             t = timesteps[i].expand(b, *timesteps.shape[1:])
             # The model reads the latents in its own dtype (a no-op where the pipeline keeps them in it).
-            out = guide(self.family.guidance, branches[step_experts[i]], x.to(self.dtype), t, pos, neg,
+            out = guide(self.guidance, branches[step_experts[i]], x.to(self.dtype), t, pos, neg,
                         expert_scale(step_experts[i], params.cfg_scale, params.cfg_scale_2), pipe.text_streams)
             pos_out, neg_out, v = out.positive, out.negative, out.output
             if pipe.model_output is not None:
@@ -178,7 +208,7 @@ class ModelRunner:
             records=records)
 
 
-def _branch(forward: GraphedForward, grid: Grid, static: dict) -> BranchForward:
+def _branch(forward: Callable[..., torch.Tensor], grid: Grid, static: dict) -> BranchForward:
     """One expert's forward as `guidance.guide` calls it, with the microgroup's grid and static inputs bound."""
     def branch(hidden_states: torch.Tensor, timestep: torch.Tensor, cond: Cond) -> torch.Tensor:
         return forward(hidden_states=hidden_states, timestep=timestep, grid=grid, **static, **cond)

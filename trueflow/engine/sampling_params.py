@@ -38,6 +38,9 @@ class SamplingParams:
     fps: float = 24.0  # a video's frame rate, which a video family conditions on (LTX-2.3's RoPE); images ignore it
     max_sequence_length: int = 512
     rollout_microgroup_size: int | None = None  # None: a prompt's n samples in one microgroup
+    # Image-to-video: the path of the first frame (an image file on the engine's machine), which a family that takes
+    # one conditions every sample on (Wan2.2 TI2V-5B); None: text-to-video
+    image: str | None = None
 
     def __post_init__(self) -> None:
         if self.sde_window is not None:
@@ -82,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"fps must be in {FPS_MIN:g}..{FPS_MAX:g} frames a second, got {self.fps}")
         if self.num_frames < 1:
             raise ValueError(f"num_frames must be >= 1 (1: an image), got {self.num_frames}")
+        if self.image is not None and (not isinstance(self.image, str) or not self.image.strip()):
+            raise ValueError(f"image (--image) is the path of the first frame's image file, got {self.image!r}")
         if self.rollout_microgroup_size is not None and self.rollout_microgroup_size < 1:
             raise ValueError(f"rollout_microgroup_size must be >= 1 (None: all samples of a prompt), "
                              f"got {self.rollout_microgroup_size}")
@@ -106,6 +111,9 @@ def check_family_limits(params: SamplingParams, family: ModelFamily, experts: in
             raise ValueError(f"{name} must be a positive multiple of {granule} pixels "
                              f"({family.pipeline.size_reason}), got {v}")
     family.pipeline.latent_grid(params.height, params.width, params.num_frames)  # refuses a frame count it can't make
+    if params.image is not None and family.pipeline.image_cond is None:
+        raise ValueError(f"{family.name} takes no first-frame image here (image-to-video is a family's, or a "
+                         f"checkpoint layout's, e.g. Wan2.2 TI2V-5B): drop image (--image)")
     cap = family.pipeline.max_text_tokens
     if not 1 <= params.max_sequence_length <= cap:
         raise ValueError(f"max_sequence_length must be in 1..{cap}, got {params.max_sequence_length}")

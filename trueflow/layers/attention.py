@@ -3,8 +3,9 @@
 Modelled on diffusers' `models/attention_dispatch.py` (`_AttentionBackendRegistry.register`, `dispatch_attention_fn`):
 a decorator registers a kernel function under a name, and `attention(q, k, v, mask, backend)` looks the name up. Each
 kernel hands SDPA what the diffusers backend it stands for hands it (the same permutes, the same contiguous copies,
-the same pinned kernel), so the two sides' kernels see the same call. A later kernel (a batch-invariant one, say)
-registers here and every family can select it by name.
+the same pinned kernel), so the two sides' kernels see the same call. A module that calls `attention` keeps the
+name it passes in its `backend` attribute, so a patch can switch a whole model's kernel (`set_kernel`) without
+knowing the family: the batch-invariant mode does (kernel `batch_invariant`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..kernels import batch_invariant as _batch_invariant
 
 
 class KernelFn(Protocol):
@@ -63,6 +67,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mask is not None and mask.dim() == 2:
         mask = mask[:, None, None, :]
     return chosen.fn(q, k, v, mask)
+
+
+def set_kernel(model: nn.Module, name: str) -> int:
+    """Every attention call of `model` on kernel `name`: sets `backend` on each module that holds a registered
+    kernel's name there (the dispatcher's convention). Returns how many modules it set; none is refused, since a
+    model whose attention bypasses the dispatcher would silently keep its own kernel."""
+    kernel(name)
+    count = 0
+    for m in model.modules():
+        if isinstance(getattr(m, "backend", None), str) and m.backend in KERNELS:
+            m.backend = name  # type: ignore[assignment]  # torch's stub: Module.__setattr__ takes only Tensor | Module
+            count += 1
+    if not count:
+        raise ValueError(f"{type(model).__name__} has no module whose attention goes through the shared dispatcher "
+                         f"(a `backend` attribute naming a kernel), so kernel {name!r} cannot be set on it")
+    return count
 
 
 def joint_buffer(txt: torch.Tensor, img: torch.Tensor, backend: str) -> torch.Tensor:
@@ -134,3 +154,11 @@ def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     fp32: such calls run on PyTorch's own choice."""
     pinned = None if q.dtype == torch.float32 else SDPBackend.CUDNN_ATTENTION
     return _sdpa(q, k, v, mask, pinned, heads_major=True)
+
+
+@register("batch_invariant")
+def batch_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Each sample against its own valid keys, every query row alone (`kernels.batch_invariant.attention`): the
+    train side's `trueflow_batch_invariant` diffusers backend runs the same function. Takes a key mask (bool, or an
+    additive 0 / large-negative one), so mixed text lengths need no other kernel."""
+    return _batch_invariant.attention(q, k, v, mask)

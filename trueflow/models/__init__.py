@@ -50,11 +50,13 @@ def default_family() -> ModelFamily:
 
 def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> ModelFamily:
     """The family of a pipeline folder, from its `model_index.json` `_class_name`; `family` names it where the
-    folder has none (a bare transformer folder) and must agree where it has one. Neither: the default family."""
+    folder has none (a bare transformer folder) and must agree where it has one. Neither: the default family. A family
+    of several layouts (`ModelFamily.layout`) comes as the spec of this folder's."""
     index = Path(checkpoint) / "model_index.json"
     if not index.is_file():
         return get_family(family) if family is not None else default_family()
-    class_name = json.loads(index.read_text()).get("_class_name")
+    model_index = json.loads(index.read_text())
+    class_name = model_index.get("_class_name")
     match = [f for f in families().values() if f.pipeline_class == class_name]
     if not match:
         known = ", ".join(f"{f.pipeline_class} ({f.name})" for f in families().values())
@@ -62,7 +64,17 @@ def family_for_checkpoint(checkpoint: str | Path, family: str | None = None) -> 
     if family is not None and family != match[0].name:
         raise ValueError(f"{checkpoint} is a {match[0].name} checkpoint ({class_name}), not {family}; "
                          f"drop --family or pass --family {match[0].name}")
-    return match[0]
+    if match[0].layout is None:
+        return match[0]
+
+    def component_config(name: str) -> dict | None:
+        path = Path(checkpoint) / name / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    try:
+        return match[0].layout(model_index, component_config)
+    except ValueError as e:
+        raise ValueError(f"{checkpoint}: {e}") from None
 
 
 def checkpoint_experts(checkpoint: str | Path, family: ModelFamily) -> tuple[Expert, ...]:
@@ -124,14 +136,29 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
     return group
 
 
+# The families whose engine and train side the batch-invariant mode is tested on bitwise at real widths with a
+# failure side (tests/test_batch_invariant_parity.py); another family's `group:trueflow_batch_invariant` is refused.
+# SD3.5 is not among them: at micro-batches of one against a microgroup of 4 its first block's `to_add_out` differs.
+BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux")
+
+
 def get_group(name: str) -> PatchGroup | None:
     """The group of that name, or None for "none" (which keeps the engine's fast paths). `group:backend` (e.g.
-    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend."""
+    `qwen_image:_native_cudnn`) is the group for a train side running that diffusers attention backend; for the
+    batch-invariant backend (`group:trueflow_batch_invariant`), any family's group plus `BATCH_INVARIANT_PATCH`."""
+    from ..kernels.batch_invariant import BACKEND
+    from ..patches import BATCH_INVARIANT_PATCH
+
     family = family_for_patch_group(name)
     if family is None:
         return None
     group, _, train_backend = name.partition(":")
     spec = family.patch_groups[group]
+    if train_backend == BACKEND:
+        if family.name not in BATCH_INVARIANT_FAMILIES:
+            raise ValueError(f"--batch-invariant is not verified for {family.name} (tested: "
+                             f"{', '.join(BATCH_INVARIANT_FAMILIES)}): drop --batch-invariant")
+        return PatchGroup(spec.group.name, (*spec.group.patches, BATCH_INVARIANT_PATCH))
     return spec.make(train_backend) if train_backend else spec.group
 
 

@@ -143,6 +143,12 @@ class PipelineSide:
     # to the engine model and the train forward alike and recorded with each microgroup; None: there are none
     static_inputs: Callable[[Any], dict[str, Any]] | None = None
     scheduler_config: Mapping[str, Any] = field(default_factory=dict)  # what a checkpoint without one schedules by
+    # Image-to-video: (decoder, image path, height, width) -> the first frame's conditioning entries, added to both
+    # branches of every sample (the decoder holds the VAE that encodes it); None: the family takes no image
+    image_cond: Callable[[Any, str, int, int], Cond] | None = None
+    # (final latents, the positive conditioning) -> what the pipeline decodes (TI2V-5B's image-to-video puts the
+    # image's latents back into the first frame); None: the final latents themselves
+    final_latents: Callable[[torch.Tensor, Cond], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,14 @@ class ExpertsOf(Protocol):
         folder without one) and its scheduler config; ValueError naming what is inconsistent."""
 
 
+class LayoutOf(Protocol):
+    def __call__(self, model_index: Mapping[str, Any],
+                 component_config: Callable[[str], Mapping[str, Any] | None]) -> "ModelFamily":
+        """The family's spec for a pipeline folder, from its model_index.json and its components' config.json
+        (`component_config("vae")`; None where the folder has none), with the same name; ValueError naming what is
+        inconsistent."""
+
+
 def one_expert(model_index: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> tuple[Expert, ...]:
     """A pipeline with one transformer, `transformer/`, serving every step."""
     return (Expert("transformer"),)
@@ -315,6 +329,10 @@ class ModelFamily:
     guidance: Guidance  # classifier-free guidance as the pipeline runs it (and a distilled scale, per-expert scales)
     pipeline_module: str = "diffusers"  # where `pipeline_class` is found (a family outside diffusers names its own)
     experts: ExpertsOf = one_expert  # the checkpoint's transformers and the timesteps each serves
+    # A family whose pipeline folders come in several layouts of one pipeline class (Wan2.2's A14B and TI2V-5B: other
+    # VAE compressions, a timestep per token) gives the spec of one folder's layout; `family_for_checkpoint` applies
+    # it. None: one layout, this spec.
+    layout: LayoutOf | None = None
 
     def pipeline_type(self) -> type:
         """The pipeline class, whose `save_lora_weights` writes the trainer's LoRA files (imported on call)."""

@@ -43,8 +43,10 @@ class ProbeSpec:
     seed: int = 0
     device: str = "cpu"
     lora_merge_mode: str | None = None  # None: the engine's policy (merged fast, unmerged under the patch group)
-    layer_report: str = "all"  # "blocks": only top-level modules and whole blocks (less memory at full size)
+    layer_report: str = "all"  # "blocks": top-level modules and whole blocks only (less memory); "none": the output
     family: str | None = None  # where the checkpoint's model_index.json names none (default: the default family)
+    batch_invariant: bool = False  # the train side on the mode's backend (its engine: `group:trueflow_batch_invariant`)
+    train_micro_batch: int | None = None  # the train side in micro-batches of this many samples (None: one batch)
     expert: str | None = None  # the checkpoint's transformer compared (a pipeline component; default: the first)
     cfg_scale: float = 1.0  # > 1: compare a CFG step's guided output (negative branch: inputs of seed + 1)
 
@@ -122,7 +124,14 @@ class ParityProbe:
             **self.family.probe_inputs(self.config, s.batch, s.text_len, s.resolution, dtype, s.seed + 1,
                                        device)["cond"],
             **({distilled: self.inputs["cond"][distilled]} if distilled else {})}
-        self.train_backend = self.family.train.backend(dtype)
+        if s.train_micro_batch is not None and s.train_micro_batch < 1:
+            raise ValueError(f"--train-micro-batch must be >= 1, got {s.train_micro_batch}")
+        if s.batch_invariant:
+            from ..train.batch_invariant import register_backend
+
+            self.train_backend = register_backend()
+        else:
+            self.train_backend = self.family.train.backend(dtype)
         self._train_forward()
 
     def set_inputs(self, inputs: dict) -> None:
@@ -140,11 +149,15 @@ class ParityProbe:
     def _train_forward(self) -> None:
         names = {n: [(n, None)] for n in _report_names(self.family, self.config, self.spec.layer_report)}
         train, grid = self.family.train, self.inputs["grid"]
+
+        def forward(x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+            # in micro-batches of `train_micro_batch` rows (the capture joins their layers' outputs)
+            return torch.cat([train_model.train_forward(self.family, self.train, x[r], t[r], grid, _rows(cond, r),
+                                                        backend=self.train_backend)
+                              for r in _chunks(x.shape[0], self.spec.train_micro_batch or x.shape[0])])
+
         with torch.no_grad(), capture(self.train, names) as seen:
-            self.train_output = self._guided(
-                lambda x, t, cond: train_model.train_forward(self.family, self.train, x, t, grid, cond,
-                                                             backend=self.train_backend),
-                train.timestep(self.inputs["timestep"], self.spec.torch_dtype()))
+            self.train_output = self._guided(forward, train.timestep(self.inputs["timestep"], self.spec.torch_dtype()))
         self.train_layers = dict(seen)
 
     def build_engine(self, patch_group: str, disabled=()):
@@ -244,6 +257,15 @@ class ParityProbe:
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
         publish(*(out / f for f in files))  # safetensors writes 0600
         return out
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _rows(cond: dict, rows: slice) -> dict:
+    """A micro-batch's conditioning: every batched entry's rows (a stream keeps the batch's padding and mask)."""
+    return {k: None if v is None else v[rows] for k, v in cond.items()}
 
 
 def _report_names(family: ModelFamily, config: dict, layer_report: str) -> list[str]:

@@ -12,7 +12,9 @@ def _fmt(x: float | None) -> str:
 def format_result(spec: ProbeSpec, r: ProbeResult, max_layers: int = 12) -> str:
     src = spec.checkpoint or f"random {spec.random_size}"
     lines = [
-        f"parity probe: {src}  batch {spec.batch}  text {spec.text_len}  {spec.resolution}px  {spec.dtype}  "
+        f"parity probe: {src}  batch {spec.batch}"
+        + (f" (train micro-batches of {spec.train_micro_batch})" if spec.train_micro_batch else "")
+        + f"  text {spec.text_len}  {spec.resolution}px  {spec.dtype}  "
         f"LoRA rank {spec.lora_rank or '-'}  device {spec.device}" + (f"  expert {r.expert}" if spec.expert else "")
         + (f"  guided output (CFG {spec.cfg_scale})" if spec.cfg_scale > 1 else ""),
         f"  patch group {r.patch_group}"

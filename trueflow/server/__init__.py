@@ -6,7 +6,10 @@ inside it. Requests are not merged across clients. A microgroup is one batch thr
 requests' microgroups as one larger batch changes the GEMMs' batch size, which changes bf16 bits on GPU (batch 4 vs
 4 x batch 1 differed by 7.8e-3 on an H200), and concatenating their prompts into one rollout renumbers the prompts,
 which changes their noise streams. So each request runs alone, exactly as `Engine.rollout` with its arguments: its
-result is bitwise the same however busy the server is. Parsing, encoding and weight validation run off the worker.
+result is bitwise the same however busy the server is. The batch-invariant mode (`serve --batch-invariant`) lifts
+the first reason: there an in-process engine runs up to `--max-merged` rollouts beside each other, each with its own
+prompts, seeds and noise streams, and merges their forwards into one batch per step (`engine.batcher`), and each
+result is still bitwise that request's alone. Parsing, encoding and weight validation run off the worker.
 
 Every request's work is bounded before it reaches the worker (`limits`), and a running rollout stops at its next
 denoising step when its client leaves, its time is up, or the server shuts down.

@@ -25,6 +25,7 @@ from ..engine.sampling_params import SamplingParams, check_family_limits
 from ..engine.interface import EngineDied, RolloutEngine, RolloutRequest
 from ..engine.trajectory import Rollout
 from ..http import MSGPACK
+from ..kernels.batch_invariant import BACKEND as BATCH_INVARIANT
 from ..models import get_family
 from .bodies import IGNORED_HEADER, OPENAI_IGNORED, FullByPath, FullUpdate, ImagesRequest, LoraByPath, LoraUpdate, \
     RolloutBody, Sampling, decode_body, field_of, read_body, validate
@@ -48,20 +49,23 @@ def png_b64(image: torch.Tensor) -> str:
 
 def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: int | None = None,
                weights_root: str | Path | None = None, threads: int | None = None,
-               token: str | None = None) -> FastAPI:
+               token: str | None = None, max_merged: int = 8) -> FastAPI:
     """The server of `engine`: an engine interface whose `rollout` takes `should_stop` (an `Engine`, or an
     `EngineClient`, whose health says `tp`). `limits`: what one request may ask; `default_seed`: the seed of
     OpenAI-style requests that name none (None: each draws a new one, returned in its answer); `weights_root`: the
     folder path-based weight updates may read (None: none); `threads`: the engine's intra-op CPU threads where
     another process runs it (None: read on the worker); `token`: what every `/weights/*` request must bring
-    (`server.weights.weights_token`; None: nothing)."""
+    (`server.weights.weights_token`; None: nothing); `max_merged`: in the batch-invariant mode, how many rollouts an
+    in-process engine runs at once with their forwards merged (`server.worker`)."""
     root = None if weights_root is None else Path(weights_root).resolve()
     if root is not None and not root.is_dir():
         raise FileNotFoundError(f"--weights-root {weights_root}: no such folder")
     info = engine.health()  # what it runs, read once: an engine in other processes answers between calls only
     family, tp = get_family(info["family"]), info.get("tp", 1)
     model_id, started = Path(info["checkpoint"]).name, int(time.time())  # `/v1/models`' one model
-    worker = Worker()
+    merges = info.get("patch_group", "").endswith(f":{BATCH_INVARIANT}") and hasattr(engine, "merge_forwards")
+    batcher = engine.merge_forwards() if merges else None  # type: ignore[attr-defined]
+    worker = Worker(batcher, max_merged)
     tokens = TokenCounter(info["checkpoint"])
     if threads is None:
         threads = worker.submit(lambda _stop: torch.get_num_threads()).future.result()  # the engine thread's count
@@ -106,7 +110,7 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
             raise RequestError(str(e), param=field_of(str(e))) from e
         limits.check(samples, params, prompts)
         await asyncio.to_thread(tokens.check, limits, prompts, params.negative_prompt)
-        job = worker.submit(fn, arrived + limits.request_timeout, limits.max_queue)
+        job = worker.submit(fn, arrived + limits.request_timeout, limits.max_queue, merge=True)
         return await worker.wait(job, request, limits.request_timeout)
 
     @app.get("/health")
@@ -120,7 +124,8 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
         return JSONResponse({
             **info, "status": status, "threads": threads,
             "busy": running is not None, "queue_depth": worker.depth,
-            "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits)},
+            "running_for_s": None if age is None else round(age, 3), "limits": asdict(limits),
+            **({} if batcher is None else {"merged_forwards": batcher.merged_forwards})},
             200 if status == "ok" else 503)
 
     @app.post("/rollout/generate")

@@ -46,8 +46,13 @@ class Sampling(Strict):
     fps: float = _D.fps
     max_sequence_length: int = _D.max_sequence_length
     rollout_microgroup_size: int | None = _D.rollout_microgroup_size
+    image: str | None = _D.image
 
     def params(self) -> SamplingParams:
+        if self.image is not None:  # a path on the server's machine would let any client read its files
+            raise RequestError("image (image-to-video's first frame) is a file on the engine's machine: the server "
+                               "takes none; run image-to-video in process (`trueflow generate --image`)",
+                               param="image")
         try:
             return SamplingParams(**{f: getattr(self, f) for f in Sampling.model_fields})
         except ValueError as e:

@@ -36,7 +36,8 @@ def end_engine(engine: RolloutEngine, worker: Worker) -> None:
 
 
 def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: Limits = Limits(),
-          default_seed: int | None = None, weights_root: str | None = None, lora: LoraFile | None = None) -> None:
+          default_seed: int | None = None, weights_root: str | None = None, lora: LoraFile | None = None,
+          max_merged: int = 8) -> None:
     """Builds the engine once through the placement factory (with `placement.tp` > 1 a tensor-parallel engine, a
     process per rank, each with `spec.threads` intra-op threads), installs `lora` (a file `lora_files.find_lora`
     checked) through the engine interface as any LoRA update is, then serves it until SIGTERM or SIGINT: then it
@@ -56,7 +57,8 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
             print(f"trueflow serve: LoRA {lora.path} installed (rank {lora.rank}, scale {lora.scale:g}, checksum "
                   f"{checksum}); POST /weights/lora replaces it", file=sys.stderr, flush=True)
         # An engine in other processes runs `spec.threads`; an in-process one, whatever its worker thread has.
-        app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads, token)
+        app = create_app(engine, limits, default_seed, weights_root, None if in_process else spec.threads, token,
+                         max_merged)
         if token is not None:  # a token of its own is printed; the user's, set in the environment, is not
             given = os.environ.get(TOKEN_ENV) == token
             print(f"trueflow serve: the /weights/* routes take the token {'in ' + TOKEN_ENV if given else token} "

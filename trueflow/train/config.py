@@ -38,6 +38,12 @@ class FlatConfigWarning(UserWarning):
     """A YAML file written without sections (the layout before sections existed)."""
 
 
+def _batch_invariant_backend() -> str:
+    from ..kernels.batch_invariant import BACKEND  # imported when asked: reading the settings loads no torch
+
+    return BACKEND
+
+
 def _f(default: Any, help: str, section: str | None, key: str | None = None, **constraints: Any) -> Any:
     """A setting: `section.key` in YAML and flags (`key` defaults to the field's name; no section: top level)."""
     return Field(default, description=help, json_schema_extra={"section": section, "key": key}, **constraints)
@@ -77,6 +83,9 @@ class TrainConfig(BaseModel):
                                              "forward's values, hence parity, are unchanged)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
                                                   "one the family's patch group pairs with)", "model")
+    batch_invariant: bool = _f(False, "batch-invariant parity mode: batch-invariant GEMMs and per-sample attention "
+                                      "on both sides, so parity holds for any train micro-batch, DP split, text "
+                                      "lengths and microgroups of several prompts (docs/patch-group.md)", "model")
     # rollout
     prompts: str | None = _f(None, "text file, one prompt per line (default: the embedded demo prompts)", "rollout",
                              min_length=1)
@@ -256,9 +265,17 @@ class TrainConfig(BaseModel):
 
     def combination_errors(self) -> list[str]:
         errors = []
-        if self.n_samples_per_prompt % self.rollout_microgroup_size:
-            errors.append(f"--n-samples-per-prompt {self.n_samples_per_prompt} must be a multiple of "
-                          f"--rollout-microgroup-size {self.rollout_microgroup_size}")
+        n, size = self.n_samples_per_prompt, self.rollout_microgroup_size
+        if n % size and not (self.batch_invariant and size % n == 0):
+            errors.append(f"--n-samples-per-prompt {n} must be a multiple of --rollout-microgroup-size {size}"
+                          + (" (or, in the batch-invariant mode, the microgroup a multiple of it: whole prompts)"
+                             if self.batch_invariant else ""))
+        if self.batch_invariant and self.rollout_patch_group == "none":
+            errors.append("--batch-invariant adds to a patch group's train-exact numerics: give --patch-group (the "
+                          "family's), not none")
+        if self.batch_invariant and self.fsdp_attention_backend not in (None, _batch_invariant_backend()):
+            errors.append(f"--batch-invariant runs the train side's {_batch_invariant_backend()} attention backend: "
+                          f"drop --fsdp-attention-backend {self.fsdp_attention_backend}")
         if self.num_sde_steps is not None and self.num_sde_steps > self.steps:
             errors.append(f"--num-sde-steps {self.num_sde_steps} must be in 1..--steps ({self.steps})")
         if self.sde_window is not None:
@@ -397,7 +414,8 @@ class TrainConfig(BaseModel):
         if self.lora_target_modules is None:
             self.lora_target_modules = list(fam.train.lora_targets)
         if self.fsdp_attention_backend is None:
-            self.fsdp_attention_backend = fam.train.parity_backend
+            self.fsdp_attention_backend = _batch_invariant_backend() if self.batch_invariant else \
+                fam.train.parity_backend
         if self.rollout_patch_group is None:
             self.rollout_patch_group = next(iter(fam.patch_groups))
         if self.negative_prompt is None:  # stays None where the family's pipeline has none (FLUX.1)
@@ -459,6 +477,10 @@ class TrainConfig(BaseModel):
         if self.wandb:
             require_wandb()
         device = torch.device(self.device).type  # a valid name: `preflight` checked it
+        if self.batch_invariant:  # its diffusers backend, registered (and this process's GEMMs in the mode)
+            from .batch_invariant import register_backend
+
+            register_backend()
         backends = [b.value for b in AttentionBackendName]
         if self.fsdp_attention_backend not in backends:
             raise ValueError(f"--fsdp-attention-backend {self.fsdp_attention_backend}: not a diffusers attention "
@@ -472,8 +494,8 @@ class TrainConfig(BaseModel):
     def _family_choices(self) -> tuple["ModelFamily", str, str]:
         """(family, rollout patch group, train attention backend), the unset ones at the family's defaults."""
         fam = self.model_family()
-        return (fam, self.rollout_patch_group or next(iter(fam.patch_groups)),
-                self.fsdp_attention_backend or fam.train.parity_backend)
+        default = _batch_invariant_backend() if self.batch_invariant else fam.train.parity_backend
+        return fam, self.rollout_patch_group or next(iter(fam.patch_groups)), self.fsdp_attention_backend or default
 
     def engine_patch_group(self) -> str:
         """The engine's patch group: a plain family group under another train attention backend than the family's
@@ -512,16 +534,19 @@ class TrainConfig(BaseModel):
             out.append(f"condition 1: --num-steps-per-rollout {self.num_steps_per_rollout}: only the first "
                        "optimizer step of a rollout runs on the rolled-out weights; the later ones' train/rollout "
                        "mismatch is not measured (null) unless --parity-on-every-step (policy_* shows the change)")
-        if self.pad_text_to is not None:
+        # The batch-invariant mode lifts conditions 2, 3 and 4: no row depends on the batch, its padding or mask.
+        if self.pad_text_to is not None and not self.batch_invariant:
             out.append(f"condition 3: --pad-text-to {self.pad_text_to} pads the train batch to a whole window, "
-                       "not to the rollout request's width")
-        if self.micro_batch_size_sample != self.rollout_microgroup_size or self.micro_batch_size_tstep != 1:
+                       "not to the rollout request's width (--batch-invariant lifts it)")
+        if not self.batch_invariant and (self.micro_batch_size_sample != self.rollout_microgroup_size
+                                         or self.micro_batch_size_tstep != 1):
             out.append(f"condition 4: a train micro-batch ({self.micro_batch_size_sample} samples x "
                        f"{self.micro_batch_size_tstep} steps) is not a rollout microgroup "
-                       f"({self.rollout_microgroup_size} samples x 1 step): batch shapes differ")
-        if self.train_dp_split_mode != "contiguous":
+                       f"({self.rollout_microgroup_size} samples x 1 step): batch shapes differ (--batch-invariant "
+                       "lifts it)")
+        if self.train_dp_split_mode != "contiguous" and not self.batch_invariant:
             out.append("condition 4: --train-dp-split-mode stride mixes prompts (and text lengths) in one "
-                       "micro-batch; use contiguous")
+                       "micro-batch; use contiguous (or --batch-invariant)")
         engine_group = self.engine_patch_group()
         if backend != (engine_group.partition(":")[2] or fam.train.parity_backend):
             plain = next(iter(fam.patch_groups))
@@ -533,6 +558,12 @@ class TrainConfig(BaseModel):
         if self.lora_merge_mode == "merged":
             out.append("--lora-merge-mode merged: W + scale·B·A in bf16 rounds differently from PEFT's "
                        "unmerged forward")
+        kept = () if self.use_lora else getattr(fam.train.model_class(), "_keep_in_fp32_modules", None) or ()
+        if kept:  # a LoRA run leaves them frozen in fp32 (train.policy.kept_in_fp32); FSDP2 casts trained masters
+            out.append(f"--no-use-lora on {fam.name}: diffusers keeps {', '.join(kept)} in fp32 "
+                       f"({fam.train.transformer_class}._keep_in_fp32_modules) and the pipeline computes them so; a "
+                       "full fine-tune's bf16 compute copies (and the weights it syncs) round them to bf16: train a "
+                       "LoRA")
         return out
 
     # -- the sectioned form ---------------------------------------------------------------------------------------

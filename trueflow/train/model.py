@@ -16,6 +16,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from ..collate import Cond, cond_mask
+from ..kernels.batch_invariant import BACKEND as BATCH_INVARIANT
 from ..models.spec import ModelFamily
 
 if TYPE_CHECKING:
@@ -91,6 +92,10 @@ def train_forward(
     longer bitwise comparable."""
     train = family.train
     backend = backend or train.backend(hidden_states.dtype)
+    if backend == BATCH_INVARIANT:  # added to diffusers' dispatch, and this process's GEMMs made batch-invariant
+        from .batch_invariant import register_backend
+
+        register_backend()
     masked = cond_mask(cond, family.pipeline.text_streams) is not None
     if masked and backend == train.parity_backend != train.masked_backend:
         warnings.warn(f"train forward got a non-trivial text mask: falling back from `{train.parity_backend}` to the "

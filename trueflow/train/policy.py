@@ -60,11 +60,22 @@ def shard(model: M, compute_dtype: torch.dtype, units: tuple[str, ...]) -> M:
     # tensors in fp32 on purpose (LTX-2.3's timestep and RoPE tables) must get them in fp32, as the plain compute-
     # dtype model the engine is compared with does; FSDP2's default would round them to the compute dtype.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    kept = kept_in_fp32(model)
     for unit in units:
         for block in getattr(model, unit):
-            fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+            fully_shard(block, mp_policy=mp, ignored_params=kept)
+    fully_shard(model, mp_policy=mp, ignored_params=kept)
     return model
+
+
+def kept_in_fp32(model: nn.Module) -> set[nn.Parameter]:
+    """The frozen parameters diffusers keeps in fp32 whatever the load dtype (`_keep_in_fp32_modules`, matched as
+    `from_pretrained` matches them: a component of the parameter's name; Wan2.2's time embedder, modulation tables and
+    cross-attention norm). FSDP2 leaves them out of its mixed-precision cast (unsharded, as loaded), so the forward
+    computes in fp32 where the pipeline does; the engine holds them in fp32 too. None for the other families."""
+    names = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return {p for name, p in model.named_parameters()
+            if names & set(name.split(".")) and p.dtype == torch.float32 and not p.requires_grad}
 
 
 def lora_parameters(models: Mapping[str, nn.Module]) -> dict[str, nn.Parameter]:

@@ -275,7 +275,7 @@ class Trainer:
 
         def batch(rows) -> TrainBatch:
             return assemble(rollout, rows, advantages, ctx.device, self.family, cfg.pad_text_to,
-                            cfg.rollout_patch_group != "none")
+                            cfg.rollout_patch_group != "none" and not cfg.batch_invariant)  # the mode takes masks
 
         def rolled_out_forward(rows) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
             b = batch(rows)

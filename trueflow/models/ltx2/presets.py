@@ -88,6 +88,10 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
         "num_layers": 2,
     },
     "full": dict(_FULL),
+    # The real video stream's GEMMs and attention (4096 wide, 32 heads x 128) at one block, for CPU numerics tests; the
+    # audio stream, which the isolated video output never reads, at 32 heads x 8 (the audio width is the video heads
+    # x the audio head dim, as in the real model).
+    "one_block": {**_FULL, "num_layers": 1, "audio_attention_head_dim": 8, "audio_cross_attention_dim": 256},
 }
 
 
