@@ -79,6 +79,25 @@ class DiffusersModuleName(Protocol):
         """An engine module (and packed slot) -> the diffusers module it holds: `map_module_name`'s inverse."""
 
 
+class Schedule(Protocol):
+    def __call__(self, scheduler_config: Mapping[str, Any], num_steps: int, image_seq_len: int,
+                 device: torch.device | str | None = None, /) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(sigmas [T+1], timesteps [T] or per token [T, S])`, fp32, as the pipeline's scheduler sets them."""
+
+
+class BuildTransformer(Protocol):
+    def __call__(self, size_or_config: str | Mapping[str, Any], seed: int = ..., dtype: torch.dtype = ...,
+                 device: str | torch.device = ...) -> nn.Module:
+        """diffusers' transformer of a preset size (or a config) with seeded random weights, in `dtype` on `device`."""
+
+
+class ProbeInputs(Protocol):
+    def __call__(self, config: dict, batch: int, text_len: int, resolution: int, dtype: torch.dtype, seed: int,
+                 device: torch.device | str, /) -> dict:
+        """The parity probe's seeded inputs: hidden_states, timestep (fp32 schedule t), grid, cond (a batch's
+        `Cond`)."""
+
+
 class Decoder(Protocol):
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int) -> torch.Tensor:
         """Packed latents -> uint8 images `[B, height, width, 3]` (one frame) or videos `[B, num_frames, height,
@@ -134,7 +153,7 @@ class PipelineSide:
     noise_shape: Callable[[Any, Grid], tuple[int, ...]]  # (engine model config, grid) -> one sample's noise shape
     # (without the batch dim: the engine draws each sample from its own generator and stacks them)
     pack_latents: Callable[[torch.Tensor], torch.Tensor]  # noise `[B, *noise_shape[1:]]` -> tokens `[B, S, C]`
-    schedule: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (scheduler config, steps, tokens, device)
+    schedule: Schedule  # (scheduler config, steps, tokens, device)
     load_decoder: Callable[[Path, torch.device, torch.dtype], Decoder]
     latent_dtype: torch.dtype | None = None  # what the pipeline keeps latents in across steps; None: the model's
     # (model output, latents, sigma) -> the velocity the pipeline steps with; None: the output itself
@@ -179,7 +198,7 @@ class Presets:
     """Architecture sizes, the train side built from one with seeded random weights, and the checkpoint writer."""
 
     transformer_config: Callable[[str], dict]
-    build_transformer: Callable[..., nn.Module]  # (size or config, seed, dtype, device) -> diffusers model
+    build_transformer: BuildTransformer  # (size or config, seed, dtype, device) -> diffusers model
     write_checkpoint: Callable[[Path, str, int, torch.dtype, Any], None]  # (empty folder, size, seed, dtype, device)
 
 
@@ -322,7 +341,7 @@ class ModelFamily:
     engine: EngineSide
     patch_groups: Mapping[str, PatchGroupSpec]
     pipeline: PipelineSide
-    probe_inputs: Callable[..., dict]  # (config, batch, text_len, resolution, dtype, seed, device) -> the probe's
+    probe_inputs: ProbeInputs  # (config, batch, text_len, resolution, dtype, seed, device) -> the probe's
     # seeded inputs: hidden_states, timestep (fp32 schedule t), grid, cond (a batch's `Cond`)
     train: TrainSide
     presets: Presets
