@@ -327,8 +327,7 @@ def test_interpreted_case_cuda_routes():
 @pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")
 def test_cuda_kernels_are_batch_invariant(weights, bi_mode):
     """The compiled Triton kernels behind the overrides: GEMM rows at real widths, the last-dim reductions, and the
-    varlen attention (a padded sample vs its sequence alone); the stock cuBLAS GEMM's failure side (H200: batch 4
-    vs 4 x batch 1 differed)."""
+    varlen attention (a padded sample vs its sequence alone)."""
     for (k, n), (w, b) in weights.items():
         w, b, x = w.cuda(), b.cuda(), randn((64, k), 3).cuda()
         for what, (batched, alone) in linear_cases(x[:16], w, b).items():
@@ -338,10 +337,9 @@ def test_cuda_kernels_are_batch_invariant(weights, bi_mode):
     alone, (q, k, v), mask = joint_batch(1024, (7, 128), 5)
     out = BI.attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda())
     assert_bitwise(valid_rows(out, 0, 7, 128).cpu(), BI.attention(*(t.cuda() for t in alone[0]))[0].cpu(), "padded")
-    BI.disable()
-    w, b = (t.cuda() for t in weights[3072, 12288])
-    xs = randn((64, 3072), 6).cuda()
-    assert_differs(F.linear(xs, w, b), torch.cat([F.linear(xs[i:i + 4], w, b) for i in range(0, 64, 4)]), "cuBLAS")
+    # No stock-GEMM failure side here: on an H200 (2026-12-02) cuBLAS gave one [64, 3072] x [3072, 12288] GEMM the
+    # bits of 16 x 4 rows and of 64 x 1 row alike. The mode's failure side is the whole block's below (the plain
+    # group under train micro-batches of 2 differs) and the full-size cell of scripts/gpu_batch_invariant.sh.
 
 
 @pytest.mark.gpu
