@@ -315,6 +315,7 @@ class LTX2Transformer(EngineModel):
         if not self.text_mask_bias:
             return None if mask is None else mask.bool()[:, None, None, :]
         blocks = self.transformer_blocks
+        # the ModuleList holds TransformerBlocks (nn.ModuleList types its items as modules)
         heads = cast(TransformerBlock, blocks[0]).attn2.heads if len(blocks) else self.config.num_attention_heads
         m = torch.ones(batch, text_len, device=device, dtype=dtype) if mask is None else mask
         bias = ((1 - m.to(dtype)) * -10000.0).unsqueeze(1)
