@@ -14,7 +14,6 @@ import pkgutil
 from pathlib import Path
 from typing import cast
 
-
 from ..patches import PatchGroup
 from .spec import EngineModel, Expert, ModelFamily
 
