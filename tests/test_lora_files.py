@@ -114,6 +114,7 @@ def test_what_a_path_names(lora, tmp_path):
     ("two ranks", "one rank and alpha for every module"),
     ("another family", "the ltx2 engine cannot map"),
     ("another family's names", "the qwen_image engine cannot map"),
+    ("two trained experts", "the run trained the LoRA of transformer_2 too"),
 ])
 def test_a_lora_the_engine_cannot_take_is_refused_in_one_line(lora, tiny_checkpoint, ltx2_checkpoint, tmp_path,
                                                                case, fragment):
@@ -145,6 +146,10 @@ def test_a_lora_the_engine_cannot_take_is_refused_in_one_line(lora, tiny_checkpo
     elif case == "another family's names":  # LTX-2.3's `attn1.to_q`: a suffix PEFT's rule alone would let through
         save_file({"transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(RANK, 32),
                    "transformer_blocks.0.attn1.to_q.lora_B.weight": torch.zeros(32, RANK)}, str(path))
+    elif case == "two trained experts":  # a Wan2.2-A14B run's checkpoint: transformer_2's LoRA in a file of its own
+        make_run(path, lora)
+        (path / "checkpoints" / "step-000004" / "trainer_state.json").write_text(json.dumps(
+            {"step": 4, "experts": ["transformer", "transformer_2"], "lora_experts": ["transformer", "transformer_2"]}))
     with pytest.raises((ValueError, FileNotFoundError)) as e:
         find_lora(str(path), ema, family_for_checkpoint(ckpt), ckpt)
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)

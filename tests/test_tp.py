@@ -113,7 +113,7 @@ def test_a_shard_that_does_not_divide_is_refused(tiny_checkpoint, capsys):
     assert "--tp 3 does not divide the 2 attention heads" in err and "--tp among 1, 2" in err
     rc = main(["parity", "--checkpoint", str(tiny_checkpoint), "--tp", "2", "--resolution", "50"])
     err = capsys.readouterr().err  # refused inside rank 0, after the processes started: still one line
-    assert rc == 2 and err.count("\n") == 1 and "--resolution 50 must be a multiple of 16" in err, err
+    assert rc == 2 and err.count("\n") == 1 and "--resolution 50: must be a positive multiple of 16" in err, err
     with pytest.raises(ValueError, match="must equal --tp"):
         run_tp_probe(ProbeSpec(checkpoint=str(tiny_checkpoint)), 2, train_tp_match=4)
     planless = dataclasses.replace(FAMILY, engine=dataclasses.replace(FAMILY.engine, tp_plan=None))

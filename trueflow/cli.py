@@ -36,7 +36,8 @@ def _pipeline_family(checkpoint: str, family: str | None = None, whole: bool = T
     whole pipeline folder (an engine needs its text encoder and VAE), else a transformer/ folder will do."""
     path = Path(checkpoint)
     if not path.is_dir():
-        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder")
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (`trueflow init-checkpoint --output-dir "
+                                "DIR` writes a tiny one)")
     if whole and not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: not a diffusers pipeline folder (no model_index.json; "
                                 "`trueflow init-checkpoint --output-dir DIR` writes one)")

@@ -82,6 +82,7 @@ def resolve_lora(path: str, ema: bool = False, flag: str = "--lora") -> Path:
             raise FileNotFoundError(f"{flag} {path}: the run has no complete checkpoint yet (checkpoints/step-N "
                                     f"with {COMPLETE}); name a LoRA file, or wait for the run's first checkpoint")
         p = latest
+    _one_expert(p, flag)
     if (p / LORA_FILE).is_file():
         if not (p / COMPLETE).is_file() and p.parent.name == "checkpoints":
             raise ValueError(f"{flag} {p}: an incomplete checkpoint (no {COMPLETE}: it was being written); name "
@@ -95,6 +96,25 @@ def resolve_lora(path: str, ema: bool = False, flag: str = "--lora") -> Path:
         return p / PEFT_FILE
     raise FileNotFoundError(f"{flag} {path}: no LoRA in this folder (a run folder, a checkpoints/step-N folder "
                             f"holding {LORA_FILE}, a PEFT folder holding {PEFT_FILE}, or a safetensors file)")
+
+
+def _one_expert(folder: Path, flag: str) -> None:
+    """A checkpoint of a run that trained another expert's LoRA (Wan2.2-A14B's transformer_2: its own file) is
+    refused: generate and serve load one LoRA file, the first expert's, and would sample a policy never trained."""
+    state = folder / "trainer_state.json"
+    if not state.is_file():
+        return
+    try:
+        info = json.loads(state.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # the checkpoint's own reader names the damage when the run resumes
+    experts = info.get("experts", ["transformer"]) if isinstance(info, dict) else ["transformer"]
+    trained = info.get("lora_experts", experts) if isinstance(info, dict) else experts
+    others = [e for e in trained if e != experts[0]]
+    if others:
+        raise ValueError(f"{flag} {folder}: the run trained the LoRA of {', '.join(others)} too (its own file), and "
+                         f"{flag} loads one expert's LoRA (the first's): sampling a run of several trained experts "
+                         "is not supported yet; name the first expert's file to sample it alone")
 
 
 def read_header(path: Path) -> tuple[dict[str, list[int]], dict[str, str]]:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from ..files import publish
 from ..models.spec import ModelFamily
 from . import checkpoint as ckpt
 from .dist import DistContext, all_gather_object, all_reduce
@@ -56,11 +57,6 @@ if TYPE_CHECKING:
 DCP_DIR = "dcp"
 STATE_FILE = "state.pt"
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
-
-
-def is_full(path: Path) -> bool:
-    """Whether a checkpoint folder is a full-parameter run's."""
-    return (path / DCP_DIR).is_dir()
 
 
 def _sharded_state(models: Mapping[str, nn.Module], optimizer: torch.optim.Optimizer,
@@ -122,6 +118,7 @@ def save(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str,
                              "full": True, "world_size": ctx.world, "experts": list(models), **sizes}
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
             (tmp / "COMPLETE").write_text("ok\n")
+            publish(tmp)  # the export as readable as the rest (safetensors writes 0600)
             _fsync_tree(tmp)
             if final.exists():
                 shutil.rmtree(final)

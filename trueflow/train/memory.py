@@ -140,6 +140,10 @@ def check_fits(cfg, ranks: int) -> None:
         gib = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory / GIB
     if gib is None:
         return
+    from pathlib import Path
+
+    if not (Path(cfg.checkpoint) / "model_index.json").is_file():  # the default tiny one, made later: nothing to plan
+        return
     from ..models import checkpoint_experts
 
     family = cfg.model_family()
