@@ -16,7 +16,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .dtypes import DTYPES
 from .options import (Parser, add_engine_options, add_lora_options, add_output_dir, add_renamed, add_reward_options,
@@ -24,6 +24,8 @@ from .options import (Parser, add_engine_options, add_lora_options, add_output_d
 
 if TYPE_CHECKING:
     from .engine.sampling_params import SamplingParams
+    from .parity.probe import ProbeResult
+    from .placement import EngineSpec, Placement
     from .lora_files import LoraFile
     from .models.spec import ModelFamily
 
@@ -133,7 +135,7 @@ def _check_lora(a: argparse.Namespace, fam: ModelFamily) -> LoraFile | None:
     return find_lora(a.lora, a.ema, fam, a.checkpoint)
 
 
-def _engine_placement(a: argparse.Namespace, **spec: object) -> tuple:
+def _engine_placement(a: argparse.Namespace, **spec: Any) -> tuple[EngineSpec, Placement]:
     """(EngineSpec, Placement) of a verb's engine options: in this process, or over `--tp` processes of its own."""
     from .placement import EngineSpec, Placement
 
@@ -244,6 +246,7 @@ def _run_parity(a: argparse.Namespace) -> int:
                      seed=a.seed, device=a.device, lora_merge_mode=a.lora_merge_mode,
                      layer_report=a.layer_report, expert=a.expert, cfg_scale=a.cfg_scale, family=a.family,
                      batch_invariant=a.batch_invariant, train_micro_batch=a.train_micro_batch)
+    result: ProbeResult  # a TPProbeResult under --tp
     if a.tp != 1 or a.train_tp_match is not None:
         from .parity.tp import run_tp_probe
 
@@ -263,6 +266,9 @@ def _run_parity(a: argparse.Namespace) -> int:
     else:
         print(format_result(spec, result))
         if a.tp != 1 or a.train_tp_match is not None:
+            from .parity.tp import TPProbeResult
+
+            assert isinstance(result, TPProbeResult)  # run_tp_probe's
             print(f"  tensor parallel {result.tp}, train side {'TP-matched' if result.train_tp_match else 'stock'}, "
                   f"{result.collectives_per_forward} collectives per forward (rank-ordered sums, all-gathers)"
                   + (", each rank's LoRA slice confirmed by checksum" if spec.lora_rank else ""))
@@ -326,6 +332,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .video import write_mp4, write_strip
 
     out.mkdir(parents=True, exist_ok=True)
+    assert rollout.images is not None  # the request decodes
     for i, sample in enumerate(rollout.images):
         if sample.ndim == 4:  # a video [F, H, W, 3]
             write_mp4(sample, out / f"{i:04d}.mp4", params.fps)
@@ -384,7 +391,7 @@ def _run_train(a: argparse.Namespace) -> int:
         if cfg.ray:  # this process is the driver; the Ray actors run `run_training` (docs/scaling.md)
             from .ray.launch import run_ray
 
-            out = run_ray(cfg)
+            out: Path | None = run_ray(cfg)
         else:
             out = run_training(cfg)
     except RayRunError as e:  # an actor died or a rank failed: one line naming it

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -55,11 +56,13 @@ def collate_cond(samples: list[Cond], streams: Mapping[str, str]) -> Cond:
         if key in masks:
             continue  # collated with its stream
         if key in streams:
-            out[key], out[streams[key]] = collate_text([s[key] for s in samples],
+            # a text stream's entry is a tensor in every sample (only its mask may be None)
+            out[key], out[streams[key]] = collate_text(cast(list[torch.Tensor], [s[key] for s in samples]),
                                                        [s.get(streams[key]) for s in samples])
         else:
             values = [s[key] for s in samples]
-            out[key] = None if values[0] is None else torch.stack(values)
+            # an entry is None in every sample or in none (`Cond`)
+            out[key] = None if values[0] is None else torch.stack(cast(list[torch.Tensor], values))
     return out
 
 
@@ -73,6 +76,7 @@ def sample_cond(cond: Cond, i: int, streams: Mapping[str, str]) -> Cond:
             continue
         if key in streams:
             mask = cond.get(streams[key])
+            assert value is not None  # a text stream is a tensor
             out[key] = value[i] if mask is None else value[i][mask[i]]
         else:
             out[key] = None if value is None else value[i]

@@ -42,12 +42,15 @@ async def read_body(request: Any, limit: int) -> bytes:
 @functools.cache
 def timed_protocol(header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S) -> type:
     """uvicorn's h11 protocol with the two deadlines above (uvicorn takes a protocol class as its `http`)."""
+    import asyncio
+
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class TimedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
-            self._deadline, self._waiting_for = None, None
+            self._deadline: asyncio.TimerHandle | None = None
+            self._waiting_for: str | None = None
             super().connection_made(transport)
             self._arm("headers")
 

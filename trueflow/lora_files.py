@@ -108,8 +108,8 @@ def _one_expert(folder: Path, flag: str) -> None:
         info = json.loads(state.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return  # the checkpoint's own reader names the damage when the run resumes
-    experts = info.get("experts", ["transformer"]) if isinstance(info, dict) else ["transformer"]
-    trained = info.get("lora_experts", experts) if isinstance(info, dict) else experts
+    experts: list[str] = info.get("experts", ["transformer"]) if isinstance(info, dict) else ["transformer"]
+    trained: list[str] = info.get("lora_experts", experts) if isinstance(info, dict) else experts
     others = [e for e in trained if e != experts[0]]
     if others:
         raise ValueError(f"{flag} {folder}: the run trained the LoRA of {', '.join(others)} too (its own file), and "

@@ -26,7 +26,7 @@ def set_on(kinds: type | tuple[type, ...], attr: str, value) -> Callable[[nn.Mod
 class Patch:
     name: str
     summary: str  # what the patch makes exact, in one line
-    apply: Callable[[nn.Module], None]
+    apply: Callable[[nn.Module], object]  # its return value, if any, is unused
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _batch_invariant(model: nn.Module) -> None:
 
     batch_invariant.enable()
     set_kernel(model, batch_invariant.KERNEL)
-    model.batch_invariant = True
+    model.batch_invariant = True  # type: ignore[assignment]  # torch's stub: Module.__setattr__ takes only Tensor | Module
 
 
 BATCH_INVARIANT_PATCH = Patch("batch_invariant", "batch-invariant GEMMs and per-sample attention over each sample's "

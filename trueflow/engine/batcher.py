@@ -91,6 +91,7 @@ class ForwardBatcher:
             self._turn.acquire()
         if call.error is not None:
             raise call.error
+        assert call.out is not None  # the round set it (or the error)
         return call.out
 
     # -- one round (under the lock) ---------------------------------------------------------------------------------

@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
 
 from .. import kernels
 from ..layers.linear import Linear
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 T = TypeVar("T")
 _MERGED, _NO_LORA = object(), object()
@@ -100,7 +103,9 @@ class _Graph:
     def __call__(self, inputs: Inputs) -> torch.Tensor:
         for name, t in inputs.items():
             if isinstance(t, torch.Tensor):
-                self.inputs[name].copy_(t)
+                static = self.inputs[name]
+                assert isinstance(static, torch.Tensor)  # a tensor input's static buffer
+                static.copy_(t)
         self.graph.replay()
         return self.output.clone()
 
@@ -117,7 +122,7 @@ class GraphedForward:
         self.model, self.enabled, self.warmup = model, enabled, warmup
         self.graphs: dict[tuple, _Graph] = {}
         self.lora_state: LoraState | None = None
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.captures = self.invalidations = 0
 
     def reset(self) -> None:
@@ -128,7 +133,8 @@ class GraphedForward:
     def _key(self, inputs: Inputs, grid: tuple[int, ...]) -> tuple:
         return (tuple((k, (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t)
                       for k, t in sorted(inputs.items())),
-                tuple(grid), inputs["hidden_states"].device, tuple(getattr(self.model, "patches_applied", ())),
+                tuple(grid), cast(torch.Tensor, inputs["hidden_states"]).device,  # always a tensor
+                tuple(getattr(self.model, "patches_applied", ())),
                 kernels.ENABLED)
 
     def _graphable(self, inputs: Inputs) -> bool:
@@ -151,7 +157,7 @@ class GraphedForward:
             self.captures += 1
         return graph(inputs)
 
-    def __call__(self, *, grid: tuple[int, ...], **inputs: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, *, grid: tuple[int, ...], **inputs: torch.Tensor | float | None) -> torch.Tensor:
         if not self._graphable(inputs):
             return self.model(grid=grid, **inputs)
         return self._replay(inputs, grid)

@@ -165,8 +165,12 @@ class Engine:
         sigmas, timesteps = pipe.schedule(self.scheduler_config, params.steps, math.prod(grid), self.device)
         # The first frame of image-to-video: one conditioning of every sample, in both branches (the pipeline hands
         # both the same model input).
-        image = pipe.image_cond(self.vae, params.image, params.height, params.width) if params.image else {}
-        negative = {**self._encode(params.negative_prompt, params), **image} if params.cfg else None
+        assert not params.image or pipe.image_cond is not None  # check_family_limits refused an image otherwise
+        image = pipe.image_cond(self.vae, params.image, params.height, params.width) \
+            if params.image and pipe.image_cond is not None else {}
+        negative_text = params.negative_prompt if params.cfg else None
+        assert not params.cfg or negative_text is not None  # check_family_limits refused CFG without one
+        negative = {**self._encode(negative_text, params), **image} if negative_text is not None else None
         microgroups, images = [], []
         # Each microgroup as [(prompt, its first sample, samples)]: a prompt's microgroups one after another, or
         # (spanning) whole prompts, `size // n_per_prompt` of them per microgroup.

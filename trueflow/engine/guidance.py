@@ -80,6 +80,7 @@ def distilled_entry(guidance: Guidance, scale: float | None, device: torch.devic
     if guidance.distilled_input is None:
         return {}
     value = guidance.distilled_default if scale is None else scale
+    assert value is not None  # a distilled input has its default (`Guidance.__post_init__`)
     return {guidance.distilled_input: torch.full((), value, dtype=torch.float32, device=device)}
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import numbers
 
 import torch
-from torch import nn
 
 from ..layers.linear import Linear, LoraAdapter
 from ..models.weight_map import MERGE_MARGIN
 from ..sync.buckets import Bucket, aligned, pack, tensor_bytes, unpack
 from ..sync.checksum import buckets_checksum, packed_in_order, tensors_checksum
 from ..models import lora
+from ..models.spec import EngineModel
 
 Layout = list[tuple[int, list[tuple[str, torch.dtype, tuple[int, ...], int]]]]
 
@@ -37,7 +37,7 @@ def layout(buckets: list[Bucket]) -> Layout:
 class LoraArena:
     """Flat buffers holding the installed adapters, and what the fast check needs of the layers they feed."""
 
-    def __init__(self, model: nn.Module, buckets: list[Bucket], scale: float):
+    def __init__(self, model: EngineModel, buckets: list[Bucket], scale: float):
         slots = lora.lora_slots(model)
         self.layout, self.scale = layout(buckets), float(scale)  # as `weight_map.set_lora` stores it
         device = next(model.parameters()).device
@@ -66,7 +66,7 @@ class LoraArena:
                                      device=buf.device) for buf, b in zip(self.buffers, buckets)]
 
     @staticmethod
-    def adoptable(model: nn.Module, buckets: list[Bucket]) -> bool:
+    def adoptable(model: EngineModel, buckets: list[Bucket]) -> bool:
         """Whether the LoRA just installed from `buckets` can move into an arena of their layout: each bucket one
         dtype, the engine's, tensors packed in name order, and exactly the installed adapters' names."""
         names = [n for b in buckets for n, _, _, _ in b.manifest]
@@ -101,11 +101,11 @@ class LoraArena:
             maxima.append(torch.segment_reduce(x, "max", lengths=lengths.to(x.device), unsafe=True))
         m = torch.cat([t.double().cpu() for t in maxima])  # one transfer per bucket
         (dtype,) = self.dtypes
-        a, b = m[self.a_idx], m[self.b_idx]
+        a_max, b_max = m[self.a_idx], m[self.b_idx]
         s = abs(float(self.scale))
         limit = torch.finfo(dtype).max
-        return bool(torch.isfinite(m).all() and torch.isfinite((s * b).to(dtype)).all()
-                    and (self.base_max + s * self.ranks * a * b <= limit * MERGE_MARGIN).all())
+        return bool(torch.isfinite(m).all() and torch.isfinite((s * b_max).to(dtype)).all()
+                    and (self.base_max + s * self.ranks * a_max * b_max <= limit * MERGE_MARGIN).all())
 
     @torch.no_grad()
     def install(self, buckets: list[Bucket]) -> None:
@@ -121,7 +121,7 @@ def aligned_elems(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return aligned(tensor_bytes(shape, dtype)) // dtype.itemsize
 
 
-def update_lora_packed(model: nn.Module, buckets: list[Bucket], scale: float, merge_mode: str | None = None) -> None:
+def update_lora_packed(model: EngineModel, buckets: list[Bucket], scale: float, merge_mode: str | None = None) -> None:
     """`lora.update_lora` from buckets: the fast path where the model's arena accepts and approves the update;
     else the general path (which refuses a bad update naming every problem, installing nothing), after which an
     unmerged LoRA moves into a new arena of the buckets' layout where it can."""
@@ -136,7 +136,7 @@ def update_lora_packed(model: nn.Module, buckets: list[Bucket], scale: float, me
         model.lora_arena = LoraArena(model, buckets, scale)
 
 
-def lora_checksum(model: nn.Module) -> str:
+def lora_checksum(model: EngineModel) -> str:
     """The installed LoRA's checksum, read off the arena's buffers while the layers hold its views."""
     arena: LoraArena | None = getattr(model, "lora_arena", None)
     if arena is not None and arena.holds():

@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
+from typing import cast
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from ..collate import Cond, collate_cond
 from ..layers.linear import Linear
-from ..models.spec import Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
+from ..models.spec import EngineModel, Expert, Grid, ModelFamily, expert_at, expert_prefix, split_by_expert
 from ..sync.buckets import Bucket, unpack
 from ..sync.checksum import tensors_checksum
 from ..sync.full_weights import weights_checksum
@@ -47,7 +47,7 @@ class ModelRunner:
     (replayed CUDA graphs, one per shape and expert, bitwise equal to eager; `cuda_graphs=False` runs eagerly),
     their weights and LoRA, and the denoise loop."""
 
-    def __init__(self, experts: Sequence[tuple[Expert, nn.Module]], family: ModelFamily, device: torch.device,
+    def __init__(self, experts: Sequence[tuple[Expert, EngineModel]], family: ModelFamily, device: torch.device,
                  dtype: torch.dtype, cuda_graphs: bool = True):
         self.experts = tuple(e for e, _ in experts)
         self.names = [e.name for e in self.experts]
@@ -94,7 +94,7 @@ class ModelRunner:
             self._update_one(self.transformer, state, scale, merge_mode)
 
     @staticmethod
-    def _update_one(model: nn.Module, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
+    def _update_one(model: EngineModel, state: dict[str, torch.Tensor] | list[Bucket], scale: float,
                     merge_mode: str | None) -> None:
         if getattr(model, "tp", None) is not None:
             from ..parallel.engine import update_lora_tp
@@ -104,6 +104,7 @@ class ModelRunner:
             update_lora_packed(model, buckets, scale, merge_mode)
         else:  # installs by copying into the arena's views where shapes match: the arena no longer says what is held
             model.lora_arena = None
+            assert isinstance(state, dict)  # a list of buckets took the branch above
             lora.update_lora(model, state, scale, merge_mode)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -116,7 +117,9 @@ class ModelRunner:
                              "with --tp 1, or start the engine from a checkpoint holding them")
         owned = isinstance(state_dict, OwnedWeights)
         parts = split_by_expert(state_dict, self.names) if len(self.transformers) > 1 else [state_dict]
-        parts = [OwnedWeights(p) if owned and not f.enabled else dict(p) for p, f in zip(parts, self.forwards)]
+        # the runner's GraphedForwards (`merge_forwards` wraps them; a merged runner takes no full-weight update)
+        parts = [OwnedWeights(p) if owned and not cast(GraphedForward, f).enabled else dict(p)
+                 for p, f in zip(parts, self.forwards)]
         if len(parts) > 1:  # checked first, so a bad part changes no expert
             for model, part in zip(self.transformers, parts):
                 weights.check_full(model, part)
@@ -136,7 +139,7 @@ class ModelRunner:
                   for a in m.adapters if a}
         return weights_checksum(self._prefixed(weights.full_state), self._prefixed(lora.lora_state), scales)
 
-    def _prefixed(self, tensors_of: Callable[[nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _prefixed(self, tensors_of: Callable[[EngineModel], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every expert's tensors under its `expert_prefix` names."""
         return {f"{expert_prefix(self.names, k)}{name}": t for k, model in enumerate(self.transformers)
                 for name, t in tensors_of(model).items()}
@@ -161,6 +164,7 @@ class ModelRunner:
         # than on the contiguous micro-batch the train side stacks from the record (and the CUDA graphs need it).
         shape = pipe.noise_shape(self.transformer.config, grid)
         x = pipe.pack_latents(sample_noise(shape, gens, pipe.latent_dtype or self.dtype, self.device)).contiguous()
+        records: list[StepRecord] | None
         latents, guided, records = [x], [], [] if record else None
         log_probs = torch.zeros(params.steps, b, dtype=torch.float32, device=self.device)
         # The expert of each step, from its schedule timestep (WanPipeline's boundary switch); recorded.
@@ -187,11 +191,11 @@ class ModelRunner:
                     step = cps_step(x, v, sigmas[i], sigmas[i + 1], params.noise_level, noise, x.dtype)
                 log_probs[i] = step.log_prob
                 guided.append(v)
-                if record:
+                if records is not None:  # `record`
                     records.append(StepRecord(pos_out, neg_out, v, step.mean, step.std, noise))
                 x = step.x_next
             else:
-                if record:
+                if records is not None:  # `record`
                     records.append(StepRecord(pos_out, neg_out, v))
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1])
             latents.append(x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:  # a leaf: the wire format and the HTTP client read it without loading a family
     from ..models.spec import ModelFamily
@@ -44,7 +44,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.sde_window is not None:
-            self.sde_window = tuple(self.sde_window)  # e.g. a list read back from JSON
+            self.sde_window = cast("tuple[int, int]", tuple(self.sde_window))  # e.g. a list read back from JSON
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         for name in ("noise_level", "cfg_scale", "fps", "cfg_scale_2", "distilled_guidance_scale"):

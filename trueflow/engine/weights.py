@@ -4,11 +4,13 @@ LoRA sync) is `models.lora`'s."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from torch import nn
 
 from .. import loading
 from ..models import apply_patch_group, family_for_config, weight_map
+from ..models.spec import EngineModel
 
 
 def build_engine_transformer(
@@ -19,7 +21,7 @@ def build_engine_transformer(
     patch_group: str = "none",
     disabled_patches: tuple[str, ...] | list[str] = (),
     family: str | None = None,
-) -> nn.Module:
+) -> EngineModel:
     """The engine model of a diffusers transformer config (its family from the config's `_class_name`, or
     `family`), loaded with diffusers-named tensors, with a patch group applied."""
     fam = family_for_config(config, family)
@@ -30,9 +32,9 @@ def build_engine_transformer(
     return model
 
 
-def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = torch.bfloat16,
+def load_engine_transformer(checkpoint: str | Path, device="cpu", dtype: torch.dtype = torch.bfloat16,
                             patch_group: str = "none", disabled_patches=(), family: str | None = None,
-                            subfolder: str = "transformer") -> nn.Module:
+                            subfolder: str = "transformer") -> EngineModel:
     """The engine model of the checkpoint's transformer `subfolder` (an expert's pipeline component)."""
     config = loading.read_transformer_config(checkpoint, subfolder)
     drops = family_for_config(config, family).engine.drops  # left unread: LTX-2.3's audio stream
@@ -40,16 +42,16 @@ def load_engine_transformer(checkpoint: str, device="cpu", dtype: torch.dtype = 
                                     device, dtype, patch_group, disabled_patches, family)
 
 
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state(model: EngineModel) -> dict[str, torch.Tensor]:
     """Every weight of the engine model under diffusers' tensor names, read back from its parameters (views, no
     copy): what a full-weight update installed."""
     fam = model.family.engine
     return weight_map.full_state(model, weight_map.Names(fam.map_module_name, fam.diffusers_module_name))
 
 
-def check_full(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def check_full(model: EngineModel, state_dict: dict[str, torch.Tensor]) -> None:
     """The checks of a full-weight update of `model` (what the family's `load_weights` checks), nothing applied."""
-    fam = model.family.engine
-    keep = (lambda k: not fam.drops(k)) if fam.drops is not None else (lambda k: True)
+    fam, drops = model.family.engine, model.family.engine.drops
+    keep = (lambda k: not drops(k)) if drops is not None else (lambda k: True)
     weight_map.check_weights(model, weight_map.subset(state_dict, keep),
                              weight_map.Names(fam.map_module_name, fam.diffusers_module_name))

@@ -77,7 +77,7 @@ def set_kernel(model: nn.Module, name: str) -> int:
     count = 0
     for m in model.modules():
         if isinstance(getattr(m, "backend", None), str) and m.backend in KERNELS:
-            m.backend = name
+            m.backend = name  # type: ignore[assignment]  # torch's stub: Module.__setattr__ takes only Tensor | Module
             count += 1
     if not count:
         raise ValueError(f"{type(model).__name__} has no module whose attention goes through the shared dispatcher "

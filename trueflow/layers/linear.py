@@ -54,15 +54,15 @@ class Linear(nn.Module):
         return slice(start, start + self.splits[i])
 
     def forward(self, x: torch.Tensor):
-        adapters = [None] * len(self.splits) if self.merged else self.adapters
+        adapters: list[LoraAdapter | None] = [None] * len(self.splits) if self.merged else self.adapters
         if self.packed and self.unpacked:
-            outs = []
+            slots = []
             for i in range(len(self.splits)):
                 s = self._slot(i)
                 # The bias stays in the GEMM call: F.linear(x, W, b) is not bitwise F.linear(x, W) + b.
                 y = F.linear(x, self.weight[s], None if self.bias is None else self.bias[s])
-                outs.append(y if adapters[i] is None else y + lora_delta_reference(x, adapters[i]))
-            return tuple(outs)
+                slots.append(y if (a := adapters[i]) is None else y + lora_delta_reference(x, a))
+            return tuple(slots)
         y = F.linear(x, self.weight, self.bias)
         outs = y.split(self.splits, dim=-1) if self.packed else (y,)
         outs = tuple(o if a is None else o + lora_delta_reference(x, a) for o, a in zip(outs, adapters))
@@ -80,7 +80,7 @@ class Linear(nn.Module):
         graphs."""
         if not merge and self._fits_in_place(adapters):
             for old, new in zip(self.adapters, adapters):
-                if old is not None:
+                if old is not None and new is not None:  # None in the same slots (`_fits_in_place`)
                     old.A.copy_(new.A)
                     old.B.copy_(new.B)
             return
@@ -106,7 +106,7 @@ class Linear(nn.Module):
             return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
         return (not self.merged and any(self.adapters) and len(adapters) == len(self.adapters)
-                and all((old is None) == (new is None) and (old is None or (
+                and all((old is None) == (new is None) and (old is None or new is None or (
                     same(old.A, new.A) and same(old.B, new.B) and old.scale == new.scale))
                         for old, new in zip(self.adapters, adapters)))
 

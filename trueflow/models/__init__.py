@@ -12,11 +12,10 @@ import importlib
 import json
 import pkgutil
 from pathlib import Path
-
-from torch import nn
+from typing import cast
 
 from ..patches import PatchGroup
-from .spec import Expert, ModelFamily
+from .spec import EngineModel, Expert, ModelFamily
 
 
 @functools.cache
@@ -24,10 +23,11 @@ def families() -> dict[str, ModelFamily]:
     """Every family, by name, found by scanning this package's sub-packages."""
     found = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.ispkg and (Path(info.module_finder.path) / info.name / "family.py").is_file():
+        finder = cast("importlib.machinery.FileFinder", info.module_finder)  # iter_modules over a folder: a FileFinder
+        if info.ispkg and (Path(finder.path) / info.name / "family.py").is_file():
             family = importlib.import_module(f"{__name__}.{info.name}.family").FAMILY
             if family.name != info.name:
-                raise RuntimeError(f"{info.module_finder.path}/{info.name}/family.py declares the family "
+                raise RuntimeError(f"{finder.path}/{info.name}/family.py declares the family "
                                    f"{family.name!r}, not {info.name!r}")
             found[family.name] = family
     defaults = [f.name for f in found.values() if f.default]
@@ -179,7 +179,7 @@ def get_group(name: str) -> PatchGroup | None:
     return spec.make(train_backend) if train_backend else spec.group
 
 
-def apply_patch_group(model: nn.Module, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
+def apply_patch_group(model: EngineModel, name: str, disabled: tuple[str, ...] | list[str] = ()) -> list[str]:
     """Apply group `name` to a built engine model, except the patches in `disabled`. Returns the applied names."""
     group = get_group(name)
     if group is None:

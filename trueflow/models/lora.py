@@ -7,19 +7,18 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import nn
 
 from ..layers.linear import Linear
-from .spec import ModelFamily
+from .spec import EngineModel, ModelFamily
 
 LORA_MERGE_MODES = ("unmerged", "merged")
 
 
-def _family(model: nn.Module) -> ModelFamily:
+def _family(model: EngineModel) -> ModelFamily:
     return model.family
 
 
-def resolve_lora_merge(model: nn.Module, requested: str | None) -> bool:
+def resolve_lora_merge(model: EngineModel, requested: str | None) -> bool:
     """Whether a LoRA update is merged into the weights. By default the engine merges (fast) unless its patch
     group keeps adapters unmerged; an explicit `merged` under such a group is honoured with a warning."""
     if requested is None:
@@ -33,7 +32,7 @@ def resolve_lora_merge(model: nn.Module, requested: str | None) -> bool:
     return requested == "merged"
 
 
-def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
+def update_lora(model: EngineModel, peft_state_dict: dict[str, torch.Tensor], scale: float,
                 merge_mode: str | None = None, check_only: bool = False) -> None:
     """Replace the engine's LoRA with PEFT-format tensors; all-or-nothing: names, shapes and the values as the
     engine's dtype holds them, scale included, are checked first (the family's `set_lora`), and a bad update
@@ -47,18 +46,19 @@ def update_lora(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scal
         engine.set_lora(model, lora, scale, merge=resolve_lora_merge(model, merge_mode))
 
 
-def lora_slots(model: nn.Module) -> list[tuple[str, Linear, int]]:
+def lora_slots(model: EngineModel) -> list[tuple[str, Linear, int]]:
     """(diffusers module name, layer, slot) of every installed adapter, in module order."""
     name_of = _family(model).engine.diffusers_module_name
     return [(name_of(name, slot if mod.packed else None), mod, slot) for name, mod in model.named_modules()
             if isinstance(mod, Linear) for slot, a in enumerate(mod.adapters) if a is not None]
 
 
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def lora_state(model: EngineModel) -> dict[str, torch.Tensor]:
     """The installed LoRA (merged or not) as PEFT-format tensors, under diffusers' module names: what a weight
     sync sent, read back from the engine's layers (the engine side of the sync checksum)."""
     out = {}
     for prefix, mod, slot in lora_slots(model):
         a = mod.adapters[slot]
+        assert a is not None  # `lora_slots` names the installed adapters only
         out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.A, a.B
     return out

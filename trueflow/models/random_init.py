@@ -3,15 +3,19 @@ and tiny checkpoints use it), so the same seed gives the same weights whatever t
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 INIT_STD = 0.02  # Linear/Embedding weights and all biases
 NORM_SCALE_STD = 0.1  # norm scales are 1 + this * randn, so a wrong norm weight shows up numerically
 
 
 @torch.no_grad()
-def init_weights_(module: nn.Module, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+def init_weights_(module: M, seed: int, device: str | torch.device = "cpu") -> M:
     """Overwrite every parameter of `module` with seeded random values, in place.
 
     Values are drawn in fp32 from a local generator on `device` in registration order and then cast, so the

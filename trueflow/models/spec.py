@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from ..collate import Cond
 from .tp_plan import TPPlan
 from ..patches import PatchGroup
 
+T = TypeVar("T")
 Grid = tuple[int, ...]  # the token grid of one sample: (rows, cols) for images, (frames, rows, cols) for video
 
 
@@ -34,6 +35,67 @@ def lazy(module: str, name: str) -> Callable[..., Any]:
 
     call.__qualname__ = f"lazy({module}.{name})"
     return call
+
+
+class TPRank(Protocol):
+    """What a tensor-parallel engine model knows of its group: `parallel.comm.TPGroup` (which sits above models)."""
+
+    rank: int
+    size: int
+    group: torch.distributed.ProcessGroup | None
+
+
+class EngineModel(nn.Module):
+    """The base of every family's engine model (`EngineSide.build_model` returns one): the attributes the engine
+    keeps on a built model, declared for the type checker (annotations only: nothing is set here, each is set where
+    the comment says; `nn.Module.__getattr__` would type them as tensors or modules)."""
+
+    lora_merge: bool  # the model's __init__ (True), a parity patch group's `set_on` (False)
+    family: ModelFamily  # `engine.weights.build_engine_transformer`, `parallel.engine.build_tp_engine_transformer`
+    patches_applied: list[str]  # `models.apply_patch_group`
+    lora_arena: object | None  # `engine.lora_arena.update_lora_packed` (its `LoraArena`: the engine is above models)
+    tp: TPRank  # a tensor-parallel rank's model only (`build_tp_engine_transformer`)
+    tp_layers: list[str]  # likewise: its swapped engine module names
+
+
+class BuildModel(Protocol):
+    def __call__(self, config: dict, device: Any = ..., dtype: torch.dtype = ...) -> EngineModel:
+        """A transformer config -> the family's engine model on `device` in `dtype`, parameters unset."""
+
+
+class ParsePeft(Protocol):
+    def __call__(self, state_dict: Mapping[str, T], /) -> dict[str, tuple[T, T]]:
+        """PEFT-named LoRA tensors (or their shapes) -> {diffusers module: (A, B)}; WeightLoadError if not."""
+
+
+class SetLora(Protocol):
+    def __call__(self, model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
+                 merge: bool, check_only: bool = False) -> None:
+        """Install `{diffusers module: (A, B)}` (merged into the weights or kept as adapters), all or nothing."""
+
+
+class DiffusersModuleName(Protocol):
+    def __call__(self, engine_name: str, slot: int | None = None, /) -> str:
+        """An engine module (and packed slot) -> the diffusers module it holds: `map_module_name`'s inverse."""
+
+
+class Schedule(Protocol):
+    def __call__(self, scheduler_config: Mapping[str, Any], num_steps: int, image_seq_len: int,
+                 device: torch.device | str | None = None, /) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(sigmas [T+1], timesteps [T] or per token [T, S])`, fp32, as the pipeline's scheduler sets them."""
+
+
+class BuildTransformer(Protocol):
+    def __call__(self, size_or_config: str | Mapping[str, Any], seed: int = ..., dtype: torch.dtype = ...,
+                 device: str | torch.device = ...) -> nn.Module:
+        """diffusers' transformer of a preset size (or a config) with seeded random weights, in `dtype` on `device`."""
+
+
+class ProbeInputs(Protocol):
+    def __call__(self, config: dict, batch: int, text_len: int, resolution: int, dtype: torch.dtype, seed: int,
+                 device: torch.device | str, /) -> dict:
+        """The parity probe's seeded inputs: hidden_states, timestep (fp32 schedule t), grid, cond (a batch's
+        `Cond`)."""
 
 
 class Decoder(Protocol):
@@ -48,14 +110,16 @@ class EngineSide:
     `model(hidden_states=x, timestep=t, grid=grid, **cond)`: `t` the fp32 schedule timestep(s), `[B]` or per token
     `[B, S]` (the model's timestep path rounds it as the pipeline does under the family's patch group)."""
 
-    build_model: Callable[[dict, Any, torch.dtype], nn.Module]  # transformer config -> model, parameters unset
+    build_model: BuildModel  # transformer config -> model, parameters unset
     load_weights: Callable[[nn.Module, dict[str, torch.Tensor]], None]  # diffusers-named tensors, all or nothing
-    parse_peft_state_dict: Callable[[dict[str, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    set_lora: Callable[..., None]  # (model, {diffusers module: (A, B)}, scale, merge, check_only=False)
+    parse_peft_state_dict: ParsePeft
+    set_lora: SetLora  # (model, {diffusers module: (A, B)}, scale, merge, check_only=False)
     map_module_name: Callable[[str], tuple[str, int | None]]  # diffusers module -> (engine module, packed slot)
-    diffusers_module_name: Callable[..., str]  # (engine module, slot=None) -> diffusers module: the inverse
+    diffusers_module_name: DiffusersModuleName  # (engine module, slot=None) -> diffusers module: the inverse
     comparable_modules: tuple[type, ...]  # engine modules whose output means the diffusers module's of that name
-    attention_backend: Callable[[nn.Module], str]  # the attention kernel a built model runs (for reports)
+    # the attention kernel a built model runs (for reports); it takes the family's own model class (`Any`: the generic
+    # spec cannot name it, and reads its blocks)
+    attention_backend: Callable[[Any], str]
     tp_plan: TPPlan | None = None  # tensor-parallel shard plan (docs/tensor-parallel.md); None: TP 1 only
     # The checkpoint's tensors (diffusers names) that `load_weights` drops: left unread on load, so never sent to a
     # rank (LTX-2.3's audio stream). None: it reads every tensor.
@@ -89,7 +153,7 @@ class PipelineSide:
     noise_shape: Callable[[Any, Grid], tuple[int, ...]]  # (engine model config, grid) -> one sample's noise shape
     # (without the batch dim: the engine draws each sample from its own generator and stacks them)
     pack_latents: Callable[[torch.Tensor], torch.Tensor]  # noise `[B, *noise_shape[1:]]` -> tokens `[B, S, C]`
-    schedule: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (scheduler config, steps, tokens, device)
+    schedule: Schedule  # (scheduler config, steps, tokens, device)
     load_decoder: Callable[[Path, torch.device, torch.dtype], Decoder]
     latent_dtype: torch.dtype | None = None  # what the pipeline keeps latents in across steps; None: the model's
     # (model output, latents, sigma) -> the velocity the pipeline steps with; None: the output itself
@@ -134,11 +198,13 @@ class Presets:
     """Architecture sizes, the train side built from one with seeded random weights, and the checkpoint writer."""
 
     transformer_config: Callable[[str], dict]
-    build_transformer: Callable[..., nn.Module]  # (size or config, seed, dtype, device) -> diffusers model
+    build_transformer: BuildTransformer  # (size or config, seed, dtype, device) -> diffusers model
     write_checkpoint: Callable[[Path, str, int, torch.dtype, Any], None]  # (empty folder, size, seed, dtype, device)
 
 
 class GuidanceFormula(Protocol):
+    __name__: str  # a function's (snapshots record it)
+
     def __call__(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
         """The guided model output from the two branches' outputs (`models.cfg`: `plain_cfg`, `rescaled_cfg`);
         `scale` a python float, as the pipelines keep it."""
@@ -275,7 +341,7 @@ class ModelFamily:
     engine: EngineSide
     patch_groups: Mapping[str, PatchGroupSpec]
     pipeline: PipelineSide
-    probe_inputs: Callable[..., dict]  # (config, batch, text_len, resolution, dtype, seed, device) -> the probe's
+    probe_inputs: ProbeInputs  # (config, batch, text_len, resolution, dtype, seed, device) -> the probe's
     # seeded inputs: hidden_states, timestep (fp32 schedule t), grid, cond (a batch's `Cond`)
     train: TrainSide
     presets: Presets

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -133,7 +133,7 @@ def _max(dtype: torch.dtype) -> float:
 
 def expected_tensors(model: nn.Module, names: Names) -> dict[str, tuple[nn.Parameter, slice | None]]:
     """diffusers tensor name -> (engine parameter, row slice of it or None) for every engine parameter."""
-    out = {}
+    out: dict[str, tuple[nn.Parameter, slice | None]] = {}
     for mod_name, mod in model.named_modules():
         for p_name, param in mod.named_parameters(recurse=False):
             if isinstance(mod, Linear) and mod.packed:
@@ -204,10 +204,13 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: N
             (param[rows] if rows is not None else param).copy_(t)
 
 
-def parse_peft_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+T = TypeVar("T")  # what the names map to: tensors, or their shapes (`lora_files` reads a file's header)
+
+
+def parse_peft_state_dict(state_dict: Mapping[str, T]) -> dict[str, tuple[T, T]]:
     """PEFT/diffusers LoRA tensors -> {diffusers module name: (A, B)}. Accepts the prefixes PEFT and diffusers
     write (`base_model.model.`, `transformer.`) and PEFT's `.default` adapter infix."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    pairs: dict[str, dict[str, T]] = {}
     bad = []
     for key, t in state_dict.items():
         m = re.match(r"^(?:base_model\.model\.|transformer\.)?(.+)\.lora_([AB])(?:\.default)?\.weight$", key)
@@ -300,7 +303,10 @@ def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:
 
 def _base(layer: Linear) -> torch.Tensor:
     """The layer's weight without any merged LoRA: what a new LoRA merges into."""
-    return layer.base_weight if layer.merged else layer.weight
+    if layer.merged:
+        assert layer.base_weight is not None  # the merge kept it
+        return layer.base_weight
+    return layer.weight
 
 
 def _product_problem(name: str, dtype: torch.dtype, scale: float, a: float, b: float, w: float,

@@ -109,6 +109,7 @@ def _rank(rank: int, a: argparse.Namespace, port: int, queue) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 if rank == 0:
+                    assert one_times is not None  # timed on rank 0 above
                     tp1, tpn = statistics.median(one_times), statistics.median(tp_times)
                     report[patch_group] = {"tp1_ms": tp1, "tp1_min_max": [min(one_times), max(one_times)],
                                            f"tp{a.tp}_ms": tpn, f"tp{a.tp}_min_max": [min(tp_times), max(tp_times)],

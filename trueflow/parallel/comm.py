@@ -9,6 +9,7 @@ in the tensors' dtype, the same on every rank and the same as the TP-matched tra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ def init_tp(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
     NCCL on CUDA."""
     keep_sockets_on(LOOPBACK)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=tcp_store(LOOPBACK, port, rank, size), rank=rank, world_size=size,
                             **kwargs)
     return TPGroup(rank, size)

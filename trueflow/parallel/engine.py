@@ -20,7 +20,7 @@ from torch import nn
 from ..layers.linear import Linear
 from ..models import apply_patch_group, family_for_config
 from ..models.lora import lora_state, resolve_lora_merge
-from ..models.spec import ModelFamily
+from ..models.spec import EngineModel, ModelFamily
 from ..sync.checksum import tensors_checksum
 from .comm import TPGroup, gather_cat
 from .linear import replace_module, sharded
@@ -55,6 +55,7 @@ def apply_tp(model: nn.Module, family: ModelFamily, tp: TPGroup) -> list[str]:
             problems.append(f"{name}: the projections packed in it are planned differently ({sorted(map(str, kinds))})")
             continue
         kind = kinds.pop()
+        assert kind is not None  # the kinds are one, and not {None}
         if problem := features_problem(name, kind, mod.in_features, mod.splits, tp.size):
             problems.append(problem)
         swaps.append((name, mod, kind))
@@ -99,7 +100,7 @@ def gather_heads(module: nn.Module, tp: TPGroup, keep_output: bool = False) -> N
 
 def build_tp_engine_transformer(config: dict, rank_state_dict: dict[str, torch.Tensor], tp: TPGroup, device="cpu",
                                 dtype: torch.dtype = torch.bfloat16, patch_group: str = "none",
-                                disabled_patches=(), family: str | None = None) -> nn.Module:
+                                disabled_patches=(), family: str | None = None) -> EngineModel:
     """`engine.weights.build_engine_transformer` for rank `tp.rank` of `tp.size`: the model built, its planned layers
     swapped, the rank's slice of the diffusers-named tensors (`plan.shard_state_dict`, or `scatter_shards`) loaded
     all or nothing, the group applied."""
@@ -118,8 +119,9 @@ def scatter_shards(plan: TPPlan, state_dict: dict[str, torch.Tensor] | None, tp:
     """Rank 0 holds the full diffusers-named tensors (`state_dict`; None elsewhere) and sends each other rank its
     slice, one tensor at a time (device to device under NCCL), so no rank but 0 ever holds more than its 1/N.
     The tensors `drops` names (the family's: what the engine drops) go to no rank. Returns this rank's slice."""
-    manifest = [None]
+    manifest: list[list[dict[str, tuple[tuple[int, ...], torch.dtype]]] | None] = [None]
     if tp.rank == 0:  # names, shapes and dtypes of every rank's slice, from meta tensors (no copies)
+        assert state_dict is not None  # rank 0 holds the full tensors
         if drops is not None:
             state_dict = {n: t for n, t in state_dict.items() if not drops(n)}
         meta = {n: t.to("meta") for n, t in state_dict.items()}
@@ -127,11 +129,14 @@ def scatter_shards(plan: TPPlan, state_dict: dict[str, torch.Tensor] | None, tp:
                      for r in range(tp.size)]]
     dist.broadcast_object_list(manifest, src=0, device=device if device.type == "cuda" else None, group=tp.group)
     slices = manifest[0]
+    assert slices is not None  # rank 0 broadcast it
     if tp.rank == 0:
+        assert state_dict is not None
         for r in range(1, tp.size):
             for name in sorted(slices[r]):
-                dist.send(shard_tensor(plan, name, state_dict[name], r, tp.size).to(device).contiguous(), dst=r,
-                          group=tp.group)
+                part = shard_tensor(plan, name, state_dict[name], r, tp.size)
+                assert part is not None  # the manifest lists each rank's tensors
+                dist.send(part.to(device).contiguous(), dst=r, group=tp.group)
         return shard_state_dict(plan, state_dict, 0, tp.size)
     out = {}
     for name in sorted(slices[tp.rank]):
@@ -147,7 +152,7 @@ def _lora_names(family: ModelFamily, peft_state_dict: dict[str, torch.Tensor]) -
             for ab, t in zip("AB", pair)}
 
 
-def update_lora_tp(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], scale: float,
+def update_lora_tp(model: EngineModel, peft_state_dict: dict[str, torch.Tensor], scale: float,
                    merge_mode: str | None = None) -> str:
     """Install this rank's slice of a full PEFT LoRA (each rank takes its own), all or nothing across the ranks:
     every rank checks its slice, the ranks exchange their verdicts, and each applies only if no rank refused (a
@@ -156,9 +161,11 @@ def update_lora_tp(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], s
     layers hold, read back (compare with `lora_shard_checksums`)."""
     fam, tp = model.family, model.tp
     engine = fam.engine
-    problem, args = None, None
+    assert engine.tp_plan is not None  # a TP model was built from its family's plan
+    problem: str | None = None
+    args: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float, bool] | None = None
     try:
-        part = shard_state_dict(fam.engine.tp_plan, peft_state_dict, tp.rank, tp.size)
+        part = shard_state_dict(engine.tp_plan, peft_state_dict, tp.rank, tp.size)
         args = (engine.parse_peft_state_dict(part), scale, resolve_lora_merge(model, merge_mode))
         engine.set_lora(model, *args, check_only=True)
     except ValueError as e:
@@ -167,6 +174,7 @@ def update_lora_tp(model: nn.Module, peft_state_dict: dict[str, torch.Tensor], s
     dist.all_gather_object(verdicts, problem, group=tp.group)
     if any(verdicts):
         raise ValueError("; ".join(f"tp rank {r}: {v}" for r, v in enumerate(verdicts) if v))
+    assert args is not None  # set where no rank refused
     engine.set_lora(model, *args)
     return tensors_checksum(lora_state(model))
 
@@ -175,6 +183,7 @@ def lora_shard_checksums(family: ModelFamily, peft_state_dict: dict[str, torch.T
                          dtype: torch.dtype) -> list[str]:
     """The sender's side: per rank, the checksum of the slice that rank must hold, in the engine's dtype."""
     plan = family.engine.tp_plan
+    assert plan is not None  # a TP engine's family has a plan (`tp_plan` refused the family otherwise)
     return [tensors_checksum({k: v.to(dtype) for k, v in _lora_names(
         family, shard_state_dict(plan, peft_state_dict, r, tp)).items()}) for r in range(tp)]
 

@@ -52,4 +52,4 @@ def shard_tensor(plan: TPPlan, name: str, t: torch.Tensor, rank: int, tp: int) -
     """Rank `rank`'s part of the diffusers-named tensor `name` (the tensor itself where it is replicated)."""
     m = _TENSOR.match(name)
     kind = plan.kind(m.group("module")) if m else None
-    return t if kind is None else shard(kind, m.group("lora") or m.group("param"), t, rank, tp)
+    return t if kind is None or m is None else shard(kind, m.group("lora") or m.group("param"), t, rank, tp)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import sys
 import types
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,24 +28,27 @@ from ..models.tp_plan import COLUMN, TPPlan
 from .plan import features_problem
 
 
-def _parts(mod: nn.Module) -> tuple[nn.Linear, list[tuple[nn.Module, torch.Tensor, torch.Tensor, float]]]:
+def _parts(mod: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, torch.Tensor, torch.Tensor, float]]]:
     """(base linear, [(dropout, A, B, scale)] of the active PEFT adapters, in PEFT's order)."""
     if not hasattr(mod, "base_layer"):
         return mod, []
+    peft: Any = mod  # a PEFT LoRA layer (it has `base_layer`): nn.Module types its adapter dicts as tensors/modules
     if getattr(mod, "merged", False):
         raise ValueError("the TP-matched train side needs LoRA unmerged (PEFT's merge_adapter was called)")
     if getattr(mod, "disable_adapters", False):
-        return mod.base_layer, []
-    return mod.base_layer, [(mod.lora_dropout[a], mod.lora_A[a].weight, mod.lora_B[a].weight, mod.scaling[a])
-                            for a in mod.active_adapters if a in mod.lora_A]
+        return peft.base_layer, []
+    return peft.base_layer, [(peft.lora_dropout[a], peft.lora_A[a].weight, peft.lora_B[a].weight, peft.scaling[a])
+                             for a in peft.active_adapters if a in peft.lora_A]
 
 
 def _column_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The engine's ranks, each `F.linear(x, W_r, b_r) + B_r(A x)·s` on its output rows, then concatenated."""
     base, loras = _parts(self)
-    W, b, n = base.weight, base.bias, base.weight.shape[0] // self._tp_size
+    assert isinstance(base, nn.Linear)  # match_tp planned only linear layers
+    tp_size = cast(int, self._tp_size)  # set by match_tp (nn.Module types unknown attributes as tensors/modules)
+    W, b, n = base.weight, base.bias, base.weight.shape[0] // tp_size
     outs = []
-    for r in range(self._tp_size):
+    for r in range(tp_size):
         rows = slice(r * n, (r + 1) * n)
         y = F.linear(x, W[rows], None if b is None else b[rows])
         for dropout, A, B, s in loras:
@@ -56,9 +61,11 @@ def _row_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The engine's ranks, each `F.linear(x_r, W_r, b if r == 0) + B(A_r x_r)·s` on its contiguous input columns
     (the bias once, in rank 0's GEMM), then summed in rank order."""
     base, loras = _parts(self)
-    W, b, n = base.weight, base.bias, base.weight.shape[1] // self._tp_size
+    assert isinstance(base, nn.Linear)  # match_tp planned only linear layers
+    tp_size = cast(int, self._tp_size)  # set by match_tp (nn.Module types unknown attributes as tensors/modules)
+    W, b, n = base.weight, base.bias, base.weight.shape[1] // tp_size
     parts = []
-    for r in range(self._tp_size):
+    for r in range(tp_size):
         cols = slice(r * n, (r + 1) * n)
         x_r = x[..., cols].contiguous()
         y = F.linear(x_r, W[:, cols].contiguous(), b if r == 0 else None)
@@ -94,7 +101,7 @@ def _head_groups(processor, tp: int):
     module = module_of(processor)
     name, heads = ("dispatch_attention_fn", 2) if hasattr(module, "dispatch_attention_fn") else ("F", 1)
 
-    base = type(processor)
+    base: Any = type(processor)  # diffusers' processor class, known at run time only
 
     class HeadGroups(base):
         @functools.wraps(base.__call__)  # diffusers passes only the keywords the processor's signature names
@@ -129,10 +136,10 @@ def match_tp(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
     split attention's processor), applied only if all hold."""
     if getattr(model, "_trueflow_tp_match", None) is not None:
         raise ValueError(f"this model is already TP-matched ({model._trueflow_tp_match} ranks)")
-    plan.check(dict(model.config), tp)
+    plan.check(dict(cast(Mapping[str, Any], model.config)), tp)  # a diffusers model's config (ConfigMixin's)
     modules = dict(model.named_modules())
-    linears = {name: _parts(mod)[0] for name, mod in modules.items() if isinstance(_parts(mod)[0], nn.Linear)}
-    found = [(name, plan.kind(name)) for name in linears if plan.kind(name) is not None]
+    linears = {name: base for name, mod in modules.items() if isinstance(base := _parts(mod)[0], nn.Linear)}
+    found = [(name, kind) for name in linears if (kind := plan.kind(name)) is not None]
     problems = [p for name, kind in found
                 if (p := features_problem(name, kind, linears[name].in_features, (linears[name].out_features,), tp))]
     problems += [f"the TP plan's pattern {p!r} names no linear layer of this model"
@@ -149,7 +156,7 @@ def match_tp(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
         modules[name].forward = types.MethodType(_column_forward if kind == COLUMN else _row_forward, modules[name])
     for mod in attentions:
         mod.set_processor(_head_groups(mod.processor, tp))
-    model._trueflow_tp_match = tp
+    model._trueflow_tp_match = tp  # type: ignore[assignment]  # torch's stub types Module.__setattr__ values as Tensor | Module; any object is set
     return [name for name, _ in found]
 
 

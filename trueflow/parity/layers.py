@@ -3,6 +3,7 @@ diffusers module name, compared in the train side's execution order."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,8 +27,8 @@ def _tensors(out) -> tuple[torch.Tensor, ...]:
 
 
 @contextmanager
-def capture(model: nn.Module, names: dict[str, tuple[str, int | None]]):
-    """Record outputs of `model`'s modules: names maps module name -> (report name, element index or None).
+def capture(model: nn.Module, names: Mapping[str, Sequence[tuple[str, int | None]]]):
+    """Record outputs of `model`'s modules: names maps module name -> [(report name, element index or None)].
     Yields a dict report name -> tensor, in execution order, filled when the block ends. A module called once per
     micro-batch has its calls' outputs joined along the batch (dim 0), as one call on the whole batch gives them."""
     seen: dict[str, torch.Tensor] = {}
@@ -66,7 +67,7 @@ def engine_targets(engine: nn.Module, family: ModelFamily,
         return {}
     name_of, comparable = family.engine.diffusers_module_name, family.engine.comparable_modules
     block_prefixes = tuple(f"{b}." for b in family.blocks)
-    out = {}
+    out: dict[str, list[tuple[str, int | None]]] = {}
     for name, mod in engine.named_modules():
         if layer_report == "blocks" and name.count(".") > (1 if name.startswith(block_prefixes) else 0):
             continue

@@ -10,6 +10,7 @@ import json
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -23,6 +24,9 @@ from ..models import checkpoint_experts, family_for_checkpoint, family_for_confi
 from ..models.spec import ModelFamily
 from ..train import model as train_model
 from .layers import LayerDiff, capture, compare, engine_targets
+
+if TYPE_CHECKING:
+    from ..train.model import DiffusersTransformer
 
 
 @dataclass
@@ -97,11 +101,13 @@ class ParityProbe:
         if s.checkpoint is not None:
             self.config = loading.read_transformer_config(s.checkpoint, self.expert)
             self.state_dict = loading.read_transformer_state_dict(s.checkpoint, subfolder=self.expert)
-            self.train = self.family.train.model_class().from_pretrained(s.checkpoint, subfolder=self.expert,
-                                                                         dtype=dtype)
+            self.train = train_model.load_transformer(self.family, s.checkpoint, dtype, self.expert)
         else:
+            assert s.random_size is not None  # one of checkpoint / random_size (checked above)
             self.config = self.family.presets.transformer_config(s.random_size)
-            self.train = self.family.presets.build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)
+            # the family's diffusers transformer (the spec, engine-side, does not name diffusers' types)
+            built = self.family.presets.build_transformer(self.config, seed=s.seed, dtype=dtype, device=device)
+            self.train = cast("DiffusersTransformer", built)
             self.state_dict = self.train.state_dict()
         self.train.to(device).eval().requires_grad_(False)
         self.lora = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ def _family_and_config(spec: ProbeSpec) -> tuple[ModelFamily, dict]:
     if spec.checkpoint is not None:
         return family_for_checkpoint(spec.checkpoint, spec.family), loading.read_transformer_config(spec.checkpoint)
     family = get_family(spec.family) if spec.family is not None else family_for_config({})
+    assert spec.random_size is not None  # a probe spec names a checkpoint or a random size (`ProbeSpec`)
     return family, family.presets.transformer_config(spec.random_size)
 
 
@@ -83,11 +85,13 @@ def _rank(rank: int, tp: int, port: int, spec: ProbeSpec, patch_group: str, disa
 
 
 def _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, device, queue) -> None:
-    probe, payload = None, [None] * 5
+    probe: ParityProbe | None = None
+    payload: list[Any] = [None] * 5  # (refusal, family name, config, LoRA, inputs), pickled to every rank
     if rank == 0:
         try:
             probe = ParityProbe(spec)
             if train_tp_match is not None:
+                assert probe.family.engine.tp_plan is not None  # `run_tp_probe` checked the family's plan
                 match_tp(probe.train, probe.family.engine.tp_plan, train_tp_match)
                 probe.set_inputs(probe.inputs)  # the train forward again, matched
             # Small objects travel pickled, on the CPU; the weights as each rank's slice (`scatter_shards`).
@@ -100,16 +104,18 @@ def _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, de
     if refused is not None:
         raise ValueError(refused)
     family = get_family(family_name)
+    assert family.engine.tp_plan is not None  # as above
     shards = scatter_shards(family.engine.tp_plan, probe.state_dict if probe else None, group, device,
                             family.engine.drops)
     engine = build_tp_engine_transformer(config, shards, group, device, spec.torch_dtype(), patch_group,
                                          disabled, family=family_name)
     del shards
     checksum = update_lora_tp(engine, lora[0], lora[1], spec.lora_merge_mode) if lora is not None else ""
-    checksums = [None] * tp
+    checksums: list[str | None] = [None] * tp
     dist.all_gather_object(checksums, checksum)
     before = group.collectives
     if rank == 0:
+        assert probe is not None  # rank 0's
         if lora is not None:
             expected = lora_shard_checksums(probe.family, lora[0], tp, spec.torch_dtype())
             bad = [r for r in range(tp) if checksums[r] != expected[r]]
@@ -118,7 +124,8 @@ def _probe_rank(rank, tp, group, spec, patch_group, disabled, train_tp_match, de
         result, _ = probe.compare_engine(engine, patch_group, disabled)
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(ProbeResult)}
         queue.put(TPProbeResult(**fields, tp=tp, train_tp_match=train_tp_match,
-                                collectives_per_forward=group.collectives - before, rank_lora_checksums=checksums))
+                                collectives_per_forward=group.collectives - before,
+                                rank_lora_checksums=cast(list[str], checksums)))  # each rank's, gathered
     else:
         with torch.no_grad():
             inputs = _to(inputs, device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .spec import EngineSpec, Placement, RewardSpec
 
@@ -43,7 +43,7 @@ def _builder(kind: str) -> Callable[[EngineSpec, Placement], RolloutEngine]:
     if kind not in PLACEMENTS:
         raise ValueError(f"unknown engine placement {kind!r}; choose one of {', '.join(PLACEMENTS)}")
     module, _, attr = PLACEMENTS[kind].partition(":")
-    obj = importlib.import_module(module)
+    obj: Any = importlib.import_module(module)  # then the builder it names, found at run time
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
@@ -73,4 +73,5 @@ def build_engine(spec: EngineSpec, placement: Placement | None = None) -> Rollou
         return engine
     from .scored import ScoredEngine
 
+    assert placement.reward is not None  # `reward` was built from it
     return ScoredEngine(engine, reward, placement.reward.on_error, placement.reward.frames)

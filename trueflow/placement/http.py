@@ -199,7 +199,7 @@ def check_serves(spec: EngineSpec, health: dict, url: str) -> None:
 
     from ..dtypes import torch_dtype
 
-    want = {"checkpoint": str(Path(spec.checkpoint).resolve()), "patch_group": spec.patch_group,
+    want: dict[str, Any] = {"checkpoint": str(Path(spec.checkpoint).resolve()), "patch_group": spec.patch_group,
             "disabled_patches": list(spec.disabled_patches),
             "dtype": str(torch_dtype(spec.dtype)).removeprefix("torch.")}
     got = {**{k: health.get(k) for k in want}, "checkpoint": str(Path(health.get("checkpoint", "")).resolve())}

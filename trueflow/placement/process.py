@@ -38,7 +38,7 @@ PEER_DEATH_S = 2.0  # a TP rank's failure waits this long for a peer's death, it
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from ..engine.interface import RolloutRequest
+    from ..engine.interface import RolloutEngine, RolloutRequest
     from ..engine.trajectory import Rollout
 
 
@@ -112,7 +112,7 @@ def _serve(spec: EngineSpec, threads: int, reward: RewardSpec | None, requests, 
                 device = torch.device("cuda", rank)
                 torch.cuda.set_device(device)
             group = init_tp(rank, size, port, device)
-        engine = build_local(spec, str(device), group)
+        engine: RolloutEngine = build_local(spec, str(device), group)
         if reward is not None:  # scored here: the images never leave this process unscored
             engine = ScoredEngine(engine, build_reward(reward.spec, reward.model, reward.device, url=reward.url),
                                   reward.on_error, reward.frames)
@@ -280,7 +280,7 @@ class EngineClient:
         """`should_stop`, as `Engine.rollout`'s (asked every 0.2 s while the ranks run): a true answer stops every rank
         at its next denoising step, and RolloutCancelled is raised."""
         stoppable = should_stop is not None
-        if stoppable and should_stop():  # asked before the first step too: the ranks then stop before it
+        if should_stop is not None and should_stop():  # asked before the first step too: the ranks then stop before it
             self.stop.set()
         else:
             self.stop.clear()
@@ -308,6 +308,7 @@ class EngineClient:
 
     def _confirm(self, sums: list[str]) -> str:
         """The LoRA's checksum when every rank holds the slice meant for it; else a line naming the ranks."""
+        assert self.expected is not None and self.confirmed is not None  # `_confirm` runs after an update set them
         bad = [r for r in range(self.tp) if sums[r] != self.expected[r]]
         return self.confirmed if not bad else f"tp ranks {bad} hold another LoRA slice"
 

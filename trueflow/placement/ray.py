@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -86,7 +86,7 @@ def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_
     prefixed = dist.PrefixStore("trueflow-weights/", store)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, absent from torch's stubs
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=own_host)]
     options._timeout = timedelta(minutes=30)
     return dist.ProcessGroupGloo(prefixed, rank, size, options)
@@ -94,7 +94,7 @@ def weights_group(host: str, port: int, rank: int, size: int, backend: str, own_
 
 # Engine calls run one at a time in arrival order (the default group, as a plain actor runs them); `stop` runs in a
 # group of its own, beside a rollout, so that a caller can stop its rollout between denoising steps.
-@ray.remote(concurrency_groups={"control": 1})
+@ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]  # a valid option ray's overloads omit
 class EngineActor:
     """An `engine.engine.Engine` in an actor of its own, loaded by the first trainer rank that connects."""
 
@@ -260,7 +260,7 @@ class BroadcastEngine(RayEngine):
     its answer is their common checksum (or, when they differ, a line naming the engine that differs, so the run's
     `checksums_equal` is false); on another rank an update waits until this rank's engine holds it."""
 
-    def __init__(self, actor, name: str, engines: list[tuple[str, object]] | None = None, group=None,
+    def __init__(self, actor, name: str, engines: list[tuple[str, Any]] | None = None, group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         super().__init__(actor, name, bucket_bytes)
         self.engines, self.group = engines, group
@@ -269,6 +269,7 @@ class BroadcastEngine(RayEngine):
                        merge_mode: str | None = None) -> str:
         if self.group is None:
             return self._confirm(state, lora_scale)
+        assert self.engines is not None  # trainer rank 0 (`group` set) knows every engine
         buckets = self.packer.pack(state)
         layout = [(b.manifest, b.buffer.numel()) for b in buckets]
         refs = [(name, actor.receive.remote(layout, lora_scale, merge_mode)) for name, actor in self.engines]
@@ -334,6 +335,7 @@ def ray_engine(spec: EngineSpec, placement: Placement) -> RolloutEngine:
         return engine
     name = reward_name(rank)
     actor = _find(name, "reward")
+    assert placement.reward is not None  # reward_at="actor" takes a reward (`Placement`)
     reward = dataclasses.replace(placement.reward, device=torch.device(placement.reward.device).type)
     answer(actor.load.remote(reward, os.getcwd()), name, "reward")
     return ActorScored(engine, actor, name)

@@ -25,6 +25,7 @@ class ScoredEngine(EngineWrapper):
         if not request.decode:
             raise ValueError("a scored rollout needs its images: decode=True")
         rollout = self.engine.rollout(request, should_stop)
+        assert rollout.images is not None  # decode=True
         t0 = time.perf_counter()
         rollout.rewards, rollout.dropped = score_samples(self.reward, rollout.images, request.sample_prompts(),
                                                          self.on_error, self.frames)

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -27,6 +28,9 @@ from . import RayRunError
 from ..sync.shm import TAG_ENV, unlink_run
 from ..train.config import TrainConfig
 from ..train.lock import holding_run_lock
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass, ActorHandle
 
 PLACEMENT_TIMEOUT_S = 120.0
 WATCH_S = 10.0  # how often the driver checks that every engine and reward actor is alive
@@ -136,11 +140,14 @@ def _place_and_run(cfg: TrainConfig, tag: str) -> Path:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
                 **({"num_cpus": 1, "num_gpus": 1 if gpu else 0} if alone else resources)}
 
-    actors = [EngineActor.options(name=engine_name(i), **on(trainers + i if engines else i, alone=bool(engines)))
+    # @ray.remote made each an ActorClass (mypy keeps a decorated class's own type)
+    engine_actor, reward_actor, trainer_actor = (cast("ActorClass", c)
+                                                 for c in (EngineActor, RewardActor, TrainerActor))
+    actors = [engine_actor.options(name=engine_name(i), **on(trainers + i if engines else i, alone=bool(engines)))
               .remote() for i in range(engines or trainers)]
     if rewarded:
-        actors += [RewardActor.options(name=reward_name(r), **on(r)).remote() for r in range(trainers)]
-    ranks = [TrainerActor.options(name=trainer_name(r), **on(r)).remote() for r in range(trainers)]
+        actors += [reward_actor.options(name=reward_name(r), **on(r)).remote() for r in range(trainers)]
+    ranks = [trainer_actor.options(name=trainer_name(r), **on(r)).remote() for r in range(trainers)]
     actors += ranks
     try:
         host, port = ray.get(ranks[0].address.remote())
@@ -167,8 +174,9 @@ def _place_and_run(cfg: TrainConfig, tag: str) -> Path:
                 raise RayRunError(_stopped(f"the Ray trainer actor {runs[done[0]]} died ({death_reason(e)})",
                                            Path(cfg.output_dir).resolve())) from None
             result = result or value
+        assert result is not None  # trainer rank 0's run folder
         return Path(result)
     finally:  # also on an error: the other ranks may wait in a collective for the one that failed
         for a in actors:
-            ray.kill(a)
+            ray.kill(cast("ActorHandle", a))  # ray types `.remote()` as the handle or the class (for its methods)
         remove_placement_group(pg)

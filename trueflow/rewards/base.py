@@ -16,7 +16,7 @@ import inspect
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, runtime_checkable
@@ -110,6 +110,7 @@ def _takes_factory_args(obj: Any) -> bool:
 def _call_factory(factory: Callable[..., Any], model_path: str | None, device: str,
                   url: str | None) -> tuple[Any, set[str]]:
     """Calls `factory` with the arguments it names; also says which of `model_path` and `url` it took."""
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from torch import nn
 from .aesthetic import aesthetic_head
 from .clip_score import split_model_path
 from .hps import OPENAI_MEAN, OPENAI_STD
+
+if TYPE_CHECKING:
+    from transformers import BlipTextModel, BlipVisionModel
 
 CHECKPOINT, MED_CONFIG = "ImageReward.pt", "med_config.json"
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward.__init__: the score's normalisation
@@ -75,7 +78,7 @@ def vision_state_dict(vit: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dic
     return config, out
 
 
-def load_imagereward(checkpoint: str, med_config: str) -> tuple[nn.Module, nn.Module, nn.Module]:
+def load_imagereward(checkpoint: str, med_config: str) -> tuple[BlipVisionModel, BlipTextModel, nn.Module]:
     """(BlipVisionModel, BlipTextModel, MLP head), fp32, eval, on the CPU, from the released files."""
     from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 
@@ -122,7 +125,8 @@ def clip_transform(images: torch.Tensor, size: int) -> torch.Tensor:
         image = Image.fromarray(array)
         w, h = image.size
         if min(w, h) != size:  # torchvision's Resize: the longer side becomes int(size * long / short)
-            image = image.resize((size, int(size * h / w)) if w <= h else (int(size * w / h), size), Image.BICUBIC)
+            image = image.resize((size, int(size * h / w)) if w <= h else (int(size * w / h), size),
+                                 Image.Resampling.BICUBIC)
         w, h = image.size
         top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
         out.append(np.asarray(image.crop((left, top, left + size, top + size))))
@@ -142,7 +146,8 @@ class ImageReward:
                 raise FileNotFoundError(f"imagereward: no {path}")
         self.tokenizer = blip_tokenizer(tokenizer_dir or model_dir)
         self.vision, self.text, self.head = (m.to(device) for m in load_imagereward(*files))
-        self.image_size = self.vision.config.image_size
+        vision_config = cast("BlipVisionModel", self.vision).config  # load_imagereward's first model
+        self.image_size = cast(int, vision_config.image_size)  # one side (ImageReward's: 224)
         self.device = device
 
     @torch.no_grad()

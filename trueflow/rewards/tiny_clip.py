@@ -7,6 +7,7 @@ code a real PickScore_v1 + CLIP-ViT-H-14 processor goes through (`CLIPModel` / `
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ def init_tiny_clip(out: str | Path, seed: int = 0, image_size: int = 32) -> Path
 
 
 # CLIP ViT-H/14: PickScore_v1's architecture.
-VIT_H14 = {
+VIT_H14: dict[str, Any] = {
     "text_config": {"vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                     "num_attention_heads": 16, "max_position_embeddings": 77, "hidden_act": "gelu"},
     "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,

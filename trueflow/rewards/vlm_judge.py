@@ -88,8 +88,10 @@ class VlmJudge:
         parts = urllib.parse.urlsplit(url)
         # http.client, not urllib: urllib follows redirects with the key and times out per read only.
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        assert parts.hostname is not None  # `self.base` has a netloc (checked in __init__)
         conn = kind(parts.hostname, parts.port, timeout=self.timeout)
-        expired, sockets = threading.Event(), []
+        expired = threading.Event()
+        sockets: list[socket.socket] = []
 
         def cut() -> None:  # at the deadline: whatever read or write is under way returns at once
             expired.set()

@@ -94,9 +94,10 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
         # One line; Starlette re-raises after this answer, and uvicorn logs the traceback.
         return JSONResponse(error_body(request.url.path, f"{type(e).__name__}: {e}", 500), 500)
 
-    app.add_exception_handler(RequestError, refused)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(EngineDied, engine_died)
+    # Starlette types a handler as taking any Exception; it calls each with the class it is registered for
+    app.add_exception_handler(RequestError, refused)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineDied, engine_died)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, failed)
 
     async def generation(request: Request, samples: int, params: SamplingParams, prompts: list[str],
@@ -173,7 +174,9 @@ def create_app(engine: RolloutEngine, limits: Limits = Limits(), default_seed: i
         out = await generation(request, r.n, params, [r.prompt],
                                lambda stop: engine.rollout(RolloutRequest([r.prompt], r.n, params, seed),
                                                            should_stop=stop), arrived)
-        data = await asyncio.to_thread(lambda: [{"b64_json": png_b64(image)} for image in out.images])
+        images = out.images
+        assert images is not None  # a served rollout decodes
+        data = await asyncio.to_thread(lambda: [{"b64_json": png_b64(image)} for image in images])
         headers = {}
         if ignored:
             headers[IGNORED_HEADER] = ", ".join(ignored)

@@ -39,7 +39,7 @@ class Sampling(Strict):
     distilled_guidance_scale: float | None = _D.distilled_guidance_scale
     negative_prompt: str | None = _D.negative_prompt  # None: the family's
     num_sde_steps: int | None = _D.num_sde_steps
-    sde_window: tuple[StrictInt, StrictInt] | None = Field(_D.sde_window, strict=False)  # msgpack sends a list
+    sde_window: tuple[StrictInt, StrictInt] | None = Field(default=_D.sde_window, strict=False)  # msgpack sends a list
     height: int = _D.height
     width: int = _D.width
     num_frames: int = _D.num_frames
@@ -157,7 +157,7 @@ def validate(model: type[_M], body: Any) -> _M:
                 takes = f"; this endpoint takes {', '.join(sorted(model.model_fields))}" * (kind == "extra_forbidden")
                 raise RequestError(f"{what} {', '.join(map(repr, sorted(names, key=str)))}{takes}",
                                    param=str(names[0])) from None
-        name = errors[0]["loc"][0]
+        name = str(errors[0]["loc"][0])  # a top-level field's name
         raise RequestError(f"field {name!r} must be {type_name(model.model_fields[name].annotation)}, got "
                            f"{type(body.get(name)).__name__} {body.get(name)!r:.100}", param=name) from None
     seed = getattr(out, "seed", None)

@@ -21,4 +21,4 @@ def error_body(path: str, message: str, status: int, param: str | None = None, c
     if not path.startswith("/v1/"):
         return {"error": message}
     return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": OPENAI_PARAM.get(param, param), "code": code}}
+                      "param": OPENAI_PARAM.get(param, param) if param is not None else None, "code": code}}

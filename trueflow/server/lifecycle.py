@@ -72,6 +72,7 @@ def serve(spec: EngineSpec, placement: Placement, host: str, port: int, limits: 
             async def shutdown(self, sockets: list | None = None) -> None:
                 await super().shutdown(sockets)
                 if not in_process:  # now, not after `run`: uvicorn then re-raises the signal, which ends us at once
+                    assert engine is not None  # built before the server
                     await asyncio.to_thread(end_engine, engine, app.state.worker)
 
         Server(server_config(app, host, port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()

@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar, cast
 
 import torch
 from fastapi import Request
@@ -28,6 +28,10 @@ from .errors import RequestError
 from .limits import IPC_PAYLOAD_BYTES, WEIGHT_JSON_BYTES
 
 _M = TypeVar("_M", bound=BaseModel)
+
+
+class _HasPath(Protocol):
+    path: str
 log = logging.getLogger(__name__)
 TOKEN_ENV = "TRUEFLOW_ENGINE_TOKEN"  # the weights token: the server's, if set; what its clients send
 
@@ -138,7 +142,8 @@ async def weights_request(request: Request, model: type[_M], by_path: type[_M], 
     if kind == "application/json":
         body = decode_body(await read_body(request, WEIGHT_JSON_BYTES), "JSON")
         fields_ = validate(by_path, body)
-        state = await asyncio.to_thread(read_weights, root, fields_.path, folders)
+        # `by_path` is one of the *ByPath bodies (bodies.LoraByPath, FullByPath)
+        state = await asyncio.to_thread(read_weights, root, cast(_HasPath, fields_).path, folders)
     elif kind == wire.IPC_CONTENT_TYPE:
         if not is_loopback(request.client.host if request.client else None):
             raise RequestError("IPC handles are taken from loopback clients only: they name memory of the sender's "

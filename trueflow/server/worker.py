@@ -122,6 +122,7 @@ class Worker:
             self._run(job)
 
     def _run(self, job: Job) -> None:
+        error: BaseException | None
         result, error = None, None
         if job.should_stop():
             error = RolloutCancelled("stopped before it started")

@@ -12,7 +12,7 @@ parameters instead of copying them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -20,7 +20,7 @@ from .checksum import tensors_checksum
 
 
 def weights_checksum(weights: Mapping[str, torch.Tensor], lora: Mapping[str, torch.Tensor] | None = None,
-                     lora_scales: Sequence[float] = ()) -> str:
+                     lora_scales: Iterable[float] = ()) -> str:
     """The checksum of an engine's weights: every transformer weight under diffusers' names, any installed LoRA
     under `lora.`-prefixed PEFT names, and the LoRA scales in the hashed text (`sync.checksum.tensors_checksum`).
     A full-weight update holds no LoRA, so the trainer's checksum of what it sent is `weights_checksum(state)`."""

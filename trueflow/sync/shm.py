@@ -114,7 +114,9 @@ class SharedSegments:
             raise ValueError("a CPU bucket crosses by shared memory only from a segment of its sender: pack it with "
                              "`pack(..., allocate=segments.allocate)` (or a BucketPacker given that allocator)")
         nonce = secrets.token_bytes(NONCE_BYTES)
-        seg.mm()[:HEADER] = _header(seg.size, nonce)  # alive: `buffer` is over it
+        mm = seg.mm()
+        assert mm is not None  # alive: `buffer` is over it
+        mm[:HEADER] = _header(seg.size, nonce)
         return {"shm": seg.name, "size": seg.size, "nonce": nonce}
 
     def _prune(self) -> None:

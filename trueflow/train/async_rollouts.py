@@ -26,6 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -88,7 +89,7 @@ class ImportanceWeights:
                 "behaviour_clip_frac": s["outside_clip"] / rows}
 
 
-def _clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _clone(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of the masters, sharded as they are."""
     return {n: p.detach().clone() for n, p in params.items()}
 
@@ -114,7 +115,7 @@ class AsyncRollouts:
             raise ValueError(f"--resume: the checkpoint holds no weights of version(s) {missing}, which made the "
                              f"rollouts in flight; resume with the run's --async-rollouts, or start a new --output-dir")
         self.jobs: queue.Queue = queue.Queue()
-        self.outcomes: dict[int, tuple] = {}  # rollout index -> what the thread made of its job
+        self.outcomes: dict[int, tuple | BaseException] = {}  # rollout index -> what the thread made of its job
         self.in_flight: set[int] = set()
         self.cv = threading.Condition()
         self.stop = threading.Event()
@@ -205,7 +206,7 @@ class AsyncRollouts:
                     rollout = engine.rollout(request, self.stop.is_set)
                 except RewardError as e:  # every rank stops on it, once the main thread has gathered the failures
                     failure = (e.reward, e.prompts, e.reason)
-                outcome = (rollout, failure, engine_sum, trainer_sum, took)
+                outcome: tuple | BaseException = (rollout, failure, engine_sum, trainer_sum, took)
             except BaseException as e:  # noqa: BLE001 - raised on the main thread, by `next`
                 outcome = e
             with self.cv:

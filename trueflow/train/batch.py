@@ -103,6 +103,7 @@ def assemble(rollout: Rollout, rows: list[Row], advantages: torch.Tensor, device
         return _pad_to({k: None if v is None else v.to(device) for k, v in batch.items()}, streams, pad_text_to)
 
     pos, neg = cond("cond"), cond("negative_cond")
+    assert pos is not None  # every microgroup has its positive conditioning
     cause = (f"whole-window pad to {pad_text_to} tokens" if pad_text_to is not None
              else "mixed prompt lengths in one micro-batch")
     mask = cond_mask(pos, streams)

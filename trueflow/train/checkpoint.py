@@ -39,6 +39,7 @@ import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -83,9 +84,19 @@ class CheckpointWriteError(CheckpointError):
     it needs and those free; the folder is as it was before the save."""
 
 
+class _LoraWriter(Protocol):
+    """A diffusers pipeline class as the LoRA writer (its LoRA loader mixin's `save_lora_weights`)."""
+
+    @classmethod
+    def save_lora_weights(cls, save_directory: str | os.PathLike, *, transformer_lora_layers: dict,
+                          weight_name: str, transformer_lora_adapter_metadata: dict) -> None: ...
+
+
 def rng_state() -> dict:
     """Every RNG's state, as tensors and plain values (numpy's key array as an int64 tensor)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # the default: a tuple for the global MT19937 state
+    assert isinstance(legacy, tuple)  # (numpy's stub types the call without `legacy` as the dict form)
+    name, keys, pos, has_gauss, cached = legacy
     return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                    cached),
             "torch": torch.get_rng_state(),
@@ -126,7 +137,7 @@ def save_checkpoint(family: ModelFamily, root: Path, step: int, lora_fp32: dict[
         # diffusers' own writer: `transformer.`-prefixed PEFT names plus the adapter config as safetensors
         # metadata, which `load_lora_weights` reads for alpha and targets.
         config = json.loads(json.dumps(adapter_config, default=_jsonable))  # sets/enums -> lists/strings, as PEFT
-        pipeline = family.pipeline_type()
+        pipeline: type[_LoraWriter] = family.pipeline_type()
         for name, weights in ((LORA_FILE, lora_fp32), (EMA_FILE, ema)):
             if weights is None:
                 continue
@@ -246,13 +257,13 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor] | None, dict, d
     except Exception as e:  # noqa: BLE001 - whatever the damage, the folder cannot be resumed from
         raise _unreadable(path, e) from None
     if state.get("full"):  # a full-parameter run's: DCP shards, loaded into the built models
-        from .full_checkpoint import read
+        from . import full_checkpoint
 
         if COMPLETE in missing:
             raise CheckpointError(f"checkpoint {path} is incomplete (missing COMPLETE)")
-        return None, read(path, state), state
+        return None, full_checkpoint.read(path, state), state
     # Each trained expert's files (a one-expert checkpoint: LORA_FILE alone).
-    experts = state.get("experts", ["transformer"])
+    experts: list[str] = state.get("experts", ["transformer"])
     trained = [k for k, e in enumerate(experts) if e in state.get("lora_experts", experts)]
     missing = [f for k in trained if not (path / (f := expert_file(LORA_FILE, experts, k))).is_file()] + missing
     if missing:
@@ -277,7 +288,7 @@ def _unreadable(path: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})")
 
 
-def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict, dict] | None:
+def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor] | None, dict, dict] | None:
     """(path, *load_checkpoint(path)) of the newest complete checkpoint that reads back; a damaged one is skipped
     with a warning. None when there is no complete checkpoint; CheckpointError when none of them reads back."""
     failures = []
@@ -312,7 +323,8 @@ def save_training(family: ModelFamily, root: Path, ctx: DistContext, models: Map
     failure = None
     if ctx.is_main:
         experts = list(models)
-        trainer_state = {"step": step, "rollout": rollout, "metrics_lines": metrics_lines, "config": config}
+        trainer_state: dict[str, Any] = {"step": step, "rollout": rollout, "metrics_lines": metrics_lines,
+                                         "config": config}
         if len(experts) > 1:
             trained = [e for e, part in zip(experts, split_by_expert(lora, experts)) if part]
             trainer_state |= {"experts": experts, "lora_experts": trained}

@@ -15,7 +15,7 @@ import types
 import typing
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -386,7 +386,7 @@ class TrainConfig(BaseModel):
                           "beside it (--reward-placement actor)")
         if (self.rollout_gpus is None) != (self.train_gpus is None):
             errors.append("a disaggregated --ray run takes both --rollout-gpus R and --train-gpus T")
-        elif self.train_gpus is not None:
+        elif self.train_gpus is not None and self.rollout_gpus is not None:  # both or neither (just above)
             if self.world_size not in (None, self.train_gpus):
                 errors.append(f"--world-size {self.world_size} and --train-gpus {self.train_gpus} both count the "
                               "trainer ranks: give one")
@@ -445,6 +445,7 @@ class TrainConfig(BaseModel):
         group = get_group(group_name)  # raises with the known names
         unknown = sorted(set(self.disable_patch) - set(group.patch_names if group else ()))
         if unknown:
+            assert group is not None  # a disabled patch needs a patch group (refused on construction)
             raise ValueError(f"--disable-patch {', '.join(unknown)}: not a patch of group {group_name!r} "
                              f"(its patches: {', '.join(group.patch_names)})")
         # What the family's guidance cannot take (the checkpoint's expert count is checked by the trainer).
@@ -461,7 +462,8 @@ class TrainConfig(BaseModel):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: this machine has no CUDA device; use --device cpu")
 
-    def validate(self) -> None:
+    # shadows pydantic's BaseModel.validate (its deprecated v1 classmethod, unused here): the run's own checks
+    def validate(self) -> None:  # type: ignore[override]
         """Everything not checked on construction: `preflight`, then what needs diffusers or an optional package
         (the attention backend, wandb), then one ParityConditionWarning per broken condition. Fills the settings
         left to the family."""
@@ -609,7 +611,8 @@ def resume_changes(saved: dict, cfg: TrainConfig) -> tuple[list[str], list[str]]
         for values in (before, now):
             if values[name] is None:
                 values[name] = getattr(family_defaults, name)
-    refused, warned = [], []
+    refused: list[str] = []
+    warned: list[str] = []
     for name, value in now.items():
         # A decaying lr schedule spans the run's optimizer steps: a longer run would change every lr from here on.
         fixed = name == "num_rollouts" and cfg.lr_schedule != "constant"
@@ -625,7 +628,8 @@ def _show(v: Any) -> str:
 
 def _location(name: str, f: FieldInfo) -> tuple[str | None, str]:
     extra = f.json_schema_extra or {}
-    return extra["section"], extra["key"] or name
+    assert isinstance(extra, dict)  # `_f` sets {"section": str | None, "key": str | None}
+    return cast("str | None", extra["section"]), cast("str | None", extra["key"]) or name
 
 
 LOCATIONS: dict[str, tuple[str | None, str]] = {n: _location(n, f) for n, f in TrainConfig.model_fields.items()}
@@ -670,6 +674,7 @@ def _unflatten_flat_yaml(data: dict, source: str) -> dict:
             nested.setdefault(name, {}).update(value)
         elif name in LOCATIONS and LOCATIONS[name][0] is not None:  # a setting of a section, written flat
             section, key = LOCATIONS[name]
+            assert section is not None  # the condition above
             nested.setdefault(section, {})[key] = value
             moved.append(f"{top} -> {section}.{key}")
         else:  # a top-level setting (or an unknown one, which `_flatten` reports)

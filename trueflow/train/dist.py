@@ -48,7 +48,7 @@ def init_distributed(device: str) -> DistContext:
     return DistContext(rank, world, torch.device(device))
 
 
-def all_reduce(values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+def all_reduce(values: dict[str, float], op: dist.ReduceOp.RedOpType) -> dict[str, float]:  # dist.ReduceOp.SUM's type
     """`op` (MAX for the parity metrics, SUM for totals) over ranks of each value."""
     if not values or dist.get_world_size() == 1:
         return dict(values)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,16 @@ from ..models.spec import ModelFamily, expert_prefix
 from ..models.weight_map import OwnedWeights
 from ..sync.full_weights import weights_checksum
 from .model import load_transformer
+
+if TYPE_CHECKING:
+    from .model import DiffusersTransformer
 from .policy import shard
 from .schedule import WeightsEMA
 
 
 def build_full_policy(family: ModelFamily, checkpoint: str, trained: bool, compute_dtype: torch.dtype,
                       device: torch.device, gradient_checkpointing: bool = False,
-                      subfolder: str = "transformer") -> nn.Module:
+                      subfolder: str = "transformer") -> DiffusersTransformer:
     """One expert's model with fp32 masters of every weight, sharded (`policy.shard`); `trained` False: frozen."""
     model = load_transformer(family, checkpoint, torch.float32, subfolder)
     if gradient_checkpointing:

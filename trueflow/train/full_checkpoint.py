@@ -32,6 +32,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 from pathlib import Path
 
 import torch
@@ -49,6 +50,9 @@ from .dist import DistContext, all_gather_object, all_reduce
 from .full import named_weights
 from .policy import optimizer_module
 from .schedule import WeightsEMA
+
+if TYPE_CHECKING:
+    from .model import DiffusersTransformer
 
 DCP_DIR = "dcp"
 STATE_FILE = "state.pt"
@@ -79,7 +83,7 @@ def _tensors(state):
             yield from _tensors(v)
 
 
-def save(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str, nn.Module],
+def save(family: ModelFamily, root: Path, ctx: DistContext, models: Mapping[str, DiffusersTransformer],
          optimizer: torch.optim.Optimizer, scheduler, ema: WeightsEMA | None, dtype: torch.dtype, step: int,
          rollout: int, metrics_lines: int | None, config: dict) -> None:
     """A checkpoint at `step` (the module's layout); every rank takes part. A write error raises
@@ -163,7 +167,7 @@ def _fsync_tree(folder: Path) -> None:
 
 
 @torch.no_grad()
-def _export(family: ModelFamily, models: Mapping[str, nn.Module], dtype: torch.dtype, folder: Path,
+def _export(family: ModelFamily, models: Mapping[str, DiffusersTransformer], dtype: torch.dtype, folder: Path,
             writes: bool) -> None:
     """Each expert's whole transformer in `dtype` as a diffusers model folder `folder/<expert>/` (a collective: one
     expert gathered at a time; rank 0 writes)."""
@@ -204,7 +208,7 @@ def restore(resumed: tuple[Path, None, dict, dict], models: Mapping[str, nn.Modu
     this run's world size (DCP reshards); return the saved trainer state. Warns when the world size differs."""
     path, _, extra, state = resumed
     module = optimizer_module(models)
-    weights = {"model": get_model_state_dict(module)}
+    weights: dict[str, dict[str, Any]] = {"model": get_model_state_dict(module)}
     if ema is not None:
         if not (path / DCP_DIR / ".metadata").is_file() or "ema" not in _saved_keys(path):
             raise ValueError(f"--resume: {path} holds no EMA; resume with the run's --ema-decay (0), or start a "

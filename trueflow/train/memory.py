@@ -24,8 +24,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..models.spec import ModelFamily
+
+if TYPE_CHECKING:
+    from .model import DiffusersTransformer
 
 GIB = 1 << 30
 H200_GIB = 140.4  # 143,771 MiB (nvidia-smi of an H200 SXM)
@@ -113,7 +117,9 @@ def from_preset(family: ModelFamily, size: str = "full") -> Model:
 
     config = family.presets.transformer_config(size)
     with init_empty_weights():
-        model = family.train.model_class().from_config(config)
+        model_class: type[DiffusersTransformer] = family.train.model_class()
+        model = model_class.from_config(config)
+    assert not isinstance(model, tuple)  # without return_unused_kwargs: the model alone
     return from_counts(family, config, {k: tuple(p.shape) for k, p in model.named_parameters()})
 
 

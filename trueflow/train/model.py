@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from peft import LoraConfig
@@ -17,6 +18,19 @@ from peft.utils import get_peft_model_state_dict
 from ..collate import Cond, cond_mask
 from ..kernels.batch_invariant import BACKEND as BATCH_INVARIANT
 from ..models.spec import ModelFamily
+
+if TYPE_CHECKING:
+    from diffusers.configuration_utils import ConfigMixin
+    from diffusers.loaders.peft import PeftAdapterMixin
+    from diffusers.models.modeling_utils import ModelMixin
+
+    # diffusers' ModelMixin and ConfigMixin type `config_name` differently (str, None); its own classes combine them
+    class DiffusersTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):  # type: ignore[misc]
+        """What a family's train-side model is, for the checker: every diffusers transformer class the families
+        name (`TrainSide.transformer_class`) derives from these three."""
+
+        # ModelMixin.to is `@wraps(nn.Module.to)`, which typeshed types as an unbound function (the model first)
+        def to(self, *args: Any, **kwargs: Any) -> Self: ...  # type: ignore[override]
 
 
 @dataclass
@@ -32,11 +46,13 @@ class LoraSpec:
         return (self.alpha if self.alpha is not None else self.rank) / self.rank
 
     def peft_config(self) -> LoraConfig:
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,
-                          target_modules=list(self.target_modules), init_lora_weights=self.init, **self.extra)
+        # PEFT types lora_alpha as int (a float alpha scales as one) and init_lora_weights as a Literal of its names
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,  # type: ignore[arg-type]
+                          target_modules=list(self.target_modules), init_lora_weights=self.init,  # type: ignore[arg-type]
+                          **self.extra)
 
 
-def add_lora(model: torch.nn.Module, spec: LoraSpec, b_init_std: float = 0.0, seed: int = 0) -> None:
+def add_lora(model: DiffusersTransformer, spec: LoraSpec, b_init_std: float = 0.0, seed: int = 0) -> None:
     """Attach a PEFT LoRA adapter through diffusers' `add_adapter` (which keeps the model's dtype). PEFT draws A
     from the global RNG, so the attach runs under a forked RNG seeded with `seed`: the same seed, the same
     adapter. With `b_init_std > 0`, B is drawn from a seeded normal so the adapter matters from the start."""
@@ -61,7 +77,7 @@ def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train_forward(
     family: ModelFamily,
-    model: torch.nn.Module,
+    model: DiffusersTransformer,
     hidden_states: torch.Tensor,
     timestep: torch.Tensor,
     grid: tuple[int, ...],
@@ -97,12 +113,13 @@ def train_forward(
         # context puts the default back, and the model's own processors keep `backend`.
         with attention_backend(backend):
             model.set_attention_backend(backend)
-        model._trueflow_attention_backend = backend
+        model._trueflow_attention_backend = backend  # type: ignore[assignment]  # torch's stub: Module.__setattr__ takes only Tensor | Module
     return train.forward(model, hidden_states, timestep, grid, cond, **static)
 
 
 def load_transformer(family: ModelFamily, checkpoint: str, dtype: torch.dtype = torch.float32,
-                     subfolder: str = "transformer") -> torch.nn.Module:
+                     subfolder: str = "transformer") -> DiffusersTransformer:
     """The family's diffusers transformer `subfolder` (an expert's pipeline component) from a checkpoint folder:
     fp32 for masters, or cast once to a compute dtype."""
-    return family.train.model_class().from_pretrained(checkpoint, subfolder=subfolder, dtype=dtype)
+    model_class: type[DiffusersTransformer] = family.train.model_class()
+    return model_class.from_pretrained(checkpoint, subfolder=subfolder, dtype=dtype)

@@ -15,7 +15,7 @@ installed here.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -62,7 +62,7 @@ class LeanAdamW(torch.optim.Optimizer):
         return None
 
 
-def make_optimizer(params: list[torch.Tensor], name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(params: Sequence[torch.Tensor], name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer `name` (one of OPTIMIZERS) over `params`, AdamW's defaults otherwise."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

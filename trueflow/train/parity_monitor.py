@@ -50,6 +50,7 @@ class ParityMonitor:
         if self.first or self.kept is None:
             return
         with torch.no_grad(), _swapped(named_params, self.kept):
+            assert self.mismatch is not None  # made where there are kept weights
             for rows in batches:
                 self.mismatch.add(*forward(rows))
 
@@ -57,6 +58,7 @@ class ParityMonitor:
         """A micro-batch of the train forward at the current weights (under no_grad)."""
         self.policy.add(b, guided, log_prob)
         if self.first:
+            assert self.mismatch is not None  # made for the first rollout
             self.mismatch.add(b, guided, log_prob)
 
     def reduce(self) -> tuple[dict, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -21,12 +22,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from ..models.spec import ModelFamily, expert_prefix
 from .model import LoraSpec, add_lora, load_transformer
 
+if TYPE_CHECKING:
+    from .model import DiffusersTransformer
+
+M = TypeVar("M", bound=nn.Module)
+
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
 def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec | None, compute_dtype: torch.dtype,
                  device: torch.device, seed: int, gradient_checkpointing: bool = False,
-                 subfolder: str = "transformer") -> nn.Module:
+                 subfolder: str = "transformer") -> DiffusersTransformer:
     """The policy of one expert (`subfolder`, its pipeline component); `spec` None: frozen, without a LoRA (an
     expert the settings do not train)."""
     model = load_transformer(family, checkpoint, compute_dtype, subfolder)
@@ -47,7 +53,7 @@ def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec | None, co
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def shard(model: nn.Module, compute_dtype: torch.dtype, units: tuple[str, ...]) -> nn.Module:
+def shard(model: M, compute_dtype: torch.dtype, units: tuple[str, ...]) -> M:
     """FSDP2, one unit per item of each ModuleList named in `units` (the family's `train.shard_units`: its
     transformer blocks) and one for the rest (torchtitan's layout)."""
     # Forward inputs are left as the model passes them (`cast_forward_inputs=False`): a model that keeps some
@@ -105,12 +111,13 @@ def full_state(params: Mapping[str, torch.Tensor], dtype: torch.dtype | None = N
 
 
 @torch.no_grad()
-def set_lora_state(params: dict[str, nn.Parameter], full: dict[str, torch.Tensor]) -> None:
+def set_lora_state(params: Mapping[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
     """Copy unsharded tensors (a checkpoint's) into `params` (masters or EMA copies), sharded as each one is."""
     for name, p in params.items():
         value = full[name].to(p.device)
         if hasattr(p, "full_tensor"):
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import DTensor, distribute_tensor
 
-            value = distribute_tensor(value, p.device_mesh, p.placements)
+            d = cast(DTensor, p)  # it has `full_tensor`: a DTensor (FSDP2's sharded parameter)
+            value = distribute_tensor(value, d.device_mesh, d.placements)
         p.copy_(value)

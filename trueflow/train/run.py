@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import EngineSpec, Placement, RewardSpec, build_engine
+from ..placement.spec import RewardAt
 from . import checkpoint as ckpt
 from . import memory
 from .config import TrainConfig, resume_changes
@@ -23,6 +24,7 @@ DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 def _ensure_checkpoint(cfg: TrainConfig, is_main: bool) -> None:
     """The default checkpoint: made once (of `cfg.family`, else the default family), so `trueflow train` runs with
     no arguments."""
+    assert cfg.checkpoint is not None  # `_check_before_loading` set the default
     if (is_main and Path(cfg.checkpoint) == DEFAULT_CHECKPOINT
             and not (DEFAULT_CHECKPOINT / "model_index.json").is_file()):
         from ..checkpoints import init_checkpoint
@@ -69,6 +71,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     """The engine's schedule for these steps, computed now from the checkpoint's scheduler config (no model); a
     checkpoint not made yet (the default one) has its family's tiny checkpoint's."""
     fam = cfg.model_family()
+    assert cfg.checkpoint is not None  # `_check_before_loading` set the default
     path = Path(cfg.checkpoint) / "scheduler" / "scheduler_config.json"
     config = json.loads(path.read_text()) if path.is_file() else dict(fam.pipeline.scheduler_config)
     tokens = math.prod(fam.pipeline.latent_grid(cfg.resolution, cfg.resolution, cfg.num_frames))
@@ -120,11 +123,13 @@ def engine_placement(cfg: TrainConfig, device: torch.device) -> tuple[EngineSpec
     and CPU threads, parity condition 9) and where (in this process, in its own process(es) under `--tp`, a
     `trueflow serve` server per rank, or a Ray engine actor), scored by the run's reward where `--reward-placement`
     says."""
+    assert cfg.checkpoint is not None  # `_check_before_loading` set the default
     spec = EngineSpec(cfg.checkpoint, cfg.engine_patch_group(), tuple(cfg.disable_patch), cfg.dtype, str(device),
                       cfg.family, threads=torch.get_num_threads())
     reward = RewardSpec(cfg.reward, cfg.reward_model, str(device), cfg.reward_url, cfg.reward_on_error,
                         cfg.reward_frames)
-    at = {"trainer": "caller", "engine": "engine", "actor": "actor"}[cfg.reward_placement]
+    places: dict[str, RewardAt] = {"trainer": "caller", "engine": "engine", "actor": "actor"}
+    at = places[cfg.reward_placement]
     if cfg.tp > 1 and dist.get_world_size() > 1:
         raise ValueError(f"--tp {cfg.tp} takes one trainer rank (each rank's engine would claim the same devices); "
                          f"run --tp with a single process, or data-parallel ranks with --tp 1")

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -94,7 +98,8 @@ class WeightsEMA:
 
 
 def _layout(p: torch.Tensor) -> tuple | None:
-    return (p.device_mesh, p.placements, p.shape, p.stride()) if hasattr(p, "device_mesh") else None
+    d = cast("DTensor", p)  # read only where it has a device mesh: a DTensor
+    return (d.device_mesh, d.placements, p.shape, p.stride()) if hasattr(p, "device_mesh") else None
 
 
 def _offloaded(p: torch.Tensor) -> torch.Tensor:

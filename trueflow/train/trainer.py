@@ -73,6 +73,8 @@ class Trainer:
         self.dtype = torch_dtype(cfg.dtype)
         self.prompts = load_prompts(cfg.prompts)
         self.family = cfg.fill_family_defaults()
+        # set by `run._check_before_loading` (the default checkpoint) and `fill_family_defaults` (the LoRA targets)
+        assert cfg.checkpoint is not None and cfg.lora_target_modules is not None
         # One policy per expert of the checkpoint (in the pipeline's order); those the settings name get a LoRA.
         self.experts = [e.name for e in checkpoint_experts(cfg.checkpoint, self.family)]
         check_guidance(self.family.name, self.family.guidance, cfg.cfg_scale, cfg.cfg_scale_2,
@@ -267,6 +269,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         sizes = [len(mg.sample_indices) for mg in rollout.microgroups]
         samples = train_order(sizes, cfg.train_dp_split_mode)
+        assert cfg.num_sde_steps is not None  # a valid config has it (`TrainConfig._default_sde_steps`)
         batches = split_by_expert(rollout, micro_batches(samples, cfg.num_sde_steps, cfg.micro_batch_size_sample,
                                                          cfg.micro_batch_size_tstep), cfg.rollout_patch_group != "none")
 
@@ -318,9 +321,9 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update(self.named_params)
         self.optimizer.zero_grad(set_to_none=True)
-        if cfg.use_lora:
+        if isinstance(before, dict):  # cfg.use_lora
             after = lora_full_state(self.models)
-            update = math.sqrt(sum(((after[k] - before[k]).double() ** 2).sum().item() for k in after))
+            update = math.sqrt(sum(float(((after[k] - before[k]).double() ** 2).sum().item()) for k in after))
         else:
             update = before()
         n_batches = len(batches) * ctx.world
@@ -373,6 +376,7 @@ class Trainer:
                     sync = self._sync() if behaviour is None else behaviour.sync
                     self.state.step += 1
                     if self.ctx.is_main:
+                        assert self.metrics is not None  # rank 0's
                         record = step_record(self.state.step, index, k, scored, len(dropped), m, sync, times, t1 - t0)
                         if behaviour is not None:
                             record |= behaviour.record()
@@ -398,6 +402,7 @@ class Trainer:
             self.save()
         if self.ctx.is_main:
             write_summary(self.out, cfg)
+            assert self.metrics is not None  # rank 0's
             self.metrics.close()  # finishes W&B and TensorBoard now, not in an exit handler
 
     def _write_samples(self, rollout, index: int) -> None:

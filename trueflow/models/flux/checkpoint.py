@@ -17,7 +17,11 @@ import string
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
+# diffusers' model and pipeline classes from their defining modules: `diffusers`' own TYPE_CHECKING
+# imports name its dummy classes first, so a checker sees those.
+from diffusers.models import AutoencoderKL
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from tokenizers import pre_tokenizers
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
@@ -67,7 +71,8 @@ def build_clip(tokenizer: CLIPTokenizer, hidden: int, layers: int, seed: int) ->
 
 def build_t5(tokenizer: T5Tokenizer, d_model: int, layers: int, seed: int) -> T5EncoderModel:
     """T5 v1.1's encoder (gated GELU, untied embeddings) with seeded random weights."""
-    config = T5Config(vocab_size=-(-len(tokenizer) // 64) * 64, d_model=d_model, d_kv=max(d_model // 2, 8),
+    # transformers' T5Config takes the legacy kwargs tie_word_embeddings/decoder_start_token_id (__post_init__), untyped
+    config = T5Config(vocab_size=-(-len(tokenizer) // 64) * 64, d_model=d_model, d_kv=max(d_model // 2, 8),  # type: ignore[call-arg]
                       d_ff=2 * d_model, num_layers=layers, num_heads=2, feed_forward_proj="gated-gelu",
                       tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     return init_weights_(T5EncoderModel(config), seed).eval()
@@ -79,14 +84,14 @@ def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch
     VAE fp32 on the CPU (two layers each for the tiny transformer, one at the full widths)."""
     transformer = build_transformer(size, seed, dtype, device)
     tc = transformer.config
-    layers = 2 if tc.joint_attention_dim < 1024 else 1
+    layers = 2 if tc["joint_attention_dim"] < 1024 else 1
     clip_tokenizer, t5_tokenizer = build_clip_tokenizer(), build_t5_tokenizer()
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler.from_config(FLUX_SCHEDULER_CONFIG),
         vae=init_weights_(AutoencoderKL(**_VAE), seed + 1).eval(),
-        text_encoder=build_clip(clip_tokenizer, tc.pooled_projection_dim, layers, seed + 2),
+        text_encoder=build_clip(clip_tokenizer, tc["pooled_projection_dim"], layers, seed + 2),
         tokenizer=clip_tokenizer,
-        text_encoder_2=build_t5(t5_tokenizer, tc.joint_attention_dim, layers, seed + 3),
+        text_encoder_2=build_t5(t5_tokenizer, tc["joint_attention_dim"], layers, seed + 3),
         tokenizer_2=t5_tokenizer,
         transformer=transformer,
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..spec import Grid
+
 VAE_SCALE_FACTOR = 8  # pixels per latent (the pipeline: 2 ** (len(vae.config.block_out_channels) - 1))
 PATCH = 2  # latents are packed 2x2 into tokens, so one token covers 16x16 pixels
 PIXELS_PER_TOKEN = VAE_SCALE_FACTOR * PATCH
@@ -19,7 +21,7 @@ def latent_grid(height: int, width: int, num_frames: int = 1) -> tuple[int, int]
     return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
 
 
-def noise_shape(config, grid: tuple[int, int]) -> tuple[int, ...]:
+def noise_shape(config, grid: Grid) -> tuple[int, ...]:  # (rows, cols)
     """One sample's initial noise as `prepare_latents` draws it: [C/4, 2·rows, 2·cols] (the pipeline's
     `(batch, num_channels_latents, height, width)` less the batch), packed into tokens of C channels after."""
     return config.in_channels // 4, PATCH * grid[0], PATCH * grid[1]

@@ -100,6 +100,7 @@ def rope_reference(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """`apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1, sequence_dim=1)` on x [B, S, H, D]:
     cos/sin repeated pairwise to [S, D] (as `get_1d_rotary_pos_embed(repeat_interleave_real=True)` returns them),
     the pairs rotated as `(-x_imag, x_real)`, then `x.float()·cos + x_rotated.float()·sin`, rounded to x's dtype."""
+    assert tables.cos is not None and tables.sin is not None  # the real tables
     cos = tables.cos.repeat_interleave(2, dim=-1)[None, :, None, :]
     sin = tables.sin.repeat_interleave(2, dim=-1)[None, :, None, :]
     x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)

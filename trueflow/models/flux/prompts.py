@@ -16,13 +16,15 @@ re-scores with the embeddings the engine recorded (parity condition 7, docs/patc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from ...collate import Cond
+
 if TYPE_CHECKING:  # the classes load transformers' model code; callers pass built objects
-    from transformers import CLIPTokenizer, T5Tokenizer
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 MAX_TEXT_TOKENS = 512  # FluxPipeline.check_inputs: "`max_sequence_length` cannot be greater than 512"
 
@@ -31,7 +33,7 @@ class TextModule(nn.Module):
     """CLIP's text tower and T5's encoder, the two modules `encode_prompts` runs (the pipeline's `text_encoder` and
     `text_encoder_2`)."""
 
-    def __init__(self, text_encoder: nn.Module, text_encoder_2: nn.Module):
+    def __init__(self, text_encoder: CLIPTextModel, text_encoder_2: T5EncoderModel):
         super().__init__()
         self.text_encoder = text_encoder
         self.text_encoder_2 = text_encoder_2
@@ -46,12 +48,13 @@ def load_text(root: str | Path, device: torch.device | str,
     tokenizers = AutoTokenizer.from_pretrained(root / "tokenizer"), AutoTokenizer.from_pretrained(root / "tokenizer_2")
     module = TextModule(CLIPTextModel.from_pretrained(root / "text_encoder", dtype=dtype),
                         T5EncoderModel.from_pretrained(root / "text_encoder_2", dtype=dtype))
-    return tokenizers, module.to(device).eval()
+    # AutoTokenizer makes the classes the checkpoint's tokenizer configs name (FluxPipeline's CLIP and T5 ones)
+    return cast("tuple[CLIPTokenizer, T5Tokenizer]", tokenizers), module.to(device).eval()
 
 
 @torch.no_grad()
 def encode_prompts(tokenizers: tuple["CLIPTokenizer", "T5Tokenizer"], text_module: TextModule, prompts: list[str],
-                   max_sequence_length: int = MAX_TEXT_TOKENS) -> list[dict[str, torch.Tensor]]:
+                   max_sequence_length: int = MAX_TEXT_TOKENS) -> list[Cond]:
     """One `Cond` per prompt: `encoder_hidden_states` [max_sequence_length, D_t5] and `pooled_projections`
     [D_clip], encoded as one batch, as the pipeline encodes a list."""
     if not 1 <= max_sequence_length <= MAX_TEXT_TOKENS:

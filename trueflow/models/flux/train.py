@@ -35,6 +35,7 @@ def train_forward(model: nn.Module, hidden_states: torch.Tensor, timestep: torch
     """`timestep` is `model_timestep(t)`; `grid` the (rows, cols) token grid; `cond` holds `encoder_hidden_states`,
     `pooled_projections` and `guidance` (collated)."""
     text = cond["encoder_hidden_states"]
+    assert text is not None  # FluxPipeline always passes the T5 embeddings
     dtype, device = hidden_states.dtype, hidden_states.device
     return model(hidden_states=hidden_states, timestep=timestep, guidance=cond["guidance"],
                  pooled_projections=cond["pooled_projections"], encoder_hidden_states=text,

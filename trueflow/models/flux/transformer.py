@@ -18,6 +18,7 @@ the pooled CLIP projection (`CombinedTimestepGuidanceTextProjEmbeddings`); RoPE 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -29,6 +30,7 @@ from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.rope import QKNormRope, RopeTables, rope_tables_fused
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 ROPE_THETA = 10000  # FluxPosEmbed(theta=10000, ...) in FluxTransformer2DModel.__init__
@@ -143,7 +145,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, axes_dim: tuple[int, ...]):
         super().__init__()
         self.axes_dim = tuple(axes_dim)
-        self.impl = rope_tables_fast
+        self.impl: Callable[..., RopeTables] = rope_tables_fast  # a patch group may swap it
         self._cache: dict = {}
 
     def forward(self, grid: tuple[int, int], text_len: int, device, dtype: torch.dtype) -> RopeTables:
@@ -293,7 +295,7 @@ class OutputNorm(nn.Module):
         return self.norm(x, shift, scale)
 
 
-class FluxTransformer(nn.Module):
+class FluxTransformer(EngineModel):
     def __init__(self, config: FluxConfig):
         super().__init__()
         self.config = c = config

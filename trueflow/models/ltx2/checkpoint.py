@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                       LTX2Pipeline)
-from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers import FlowMatchEulerDiscreteScheduler
+# diffusers' model and pipeline classes from their defining modules: `diffusers`' own TYPE_CHECKING
+# imports name its dummy classes first, so a checker sees those.
+from diffusers.models import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
@@ -114,7 +117,7 @@ def _text_size(transformer_config: dict) -> str:
 def build_text_encoder(tokenizer: GemmaTokenizer, size: str, seed: int) -> Gemma3ForConditionalGeneration:
     """Gemma-3 with a SigLIP vision tower and seeded random weights, token ids matching `tokenizer`."""
     hidden, layers, heads, kv_heads, head_dim = _TEXT[size]
-    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    ids = {tok: cast(int, tokenizer.convert_tokens_to_ids(tok)) for tok in SPECIAL_TOKENS}  # one token: one id
     config = Gemma3Config(
         text_config={
             "vocab_size": -(-len(tokenizer) // 64) * 64, "hidden_size": hidden, "intermediate_size": 2 * hidden,
@@ -175,7 +178,7 @@ def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch
     tc = dict(transformer.config)
     text_size = text_size or _text_size(tc)
     tokenizer = build_tokenizer()
-    text_encoder = build_text_encoder(tokenizer, text_size, seed + 1).to(dtype)
+    text_encoder = build_text_encoder(tokenizer, text_size, seed + 1).to(dtype)  # type: ignore[arg-type]  # transformers' `@wraps` .to, typed unbound by typeshed
     text_cfg = text_encoder.config.text_config
     audio_vae_config = {**_AUDIO_VAE}
     if tc["audio_in_channels"] != 4:  # the real audio VAE's latent layout: 8 channels x 64/4 mel bins

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..spec import Grid
+
 PIXELS_PER_TOKEN = 32  # the VAE's spatial compression x the transformer's patch size 1
 FRAMES_PER_TOKEN = 8  # the VAE's temporal compression; frame counts are 8k + 1 (the first frame is its own latent)
 SIZE_REASON = f"VAE spatial factor {PIXELS_PER_TOKEN} x patch 1"
@@ -31,7 +33,7 @@ def latent_grid(height: int, width: int, num_frames: int) -> tuple[int, int, int
     return (num_frames - 1) // FRAMES_PER_TOKEN + 1, height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
 
 
-def noise_shape(config: Mapping[str, Any] | Any, grid: tuple[int, int, int]) -> tuple[int, ...]:
+def noise_shape(config: Mapping[str, Any] | Any, grid: Grid) -> tuple[int, ...]:  # (frames, rows, cols)
     """One sample's initial noise `(C, frames, rows, cols)` (`prepare_latents` draws the batch `[B, C, F, H, W]`)."""
     channels = config["in_channels"] if isinstance(config, Mapping) else config.in_channels
     return (channels, *grid)

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from diffusers import LTX2VideoTransformer3DModel
+# # from `diffusers.models`: `diffusers`' own TYPE_CHECKING imports name its dummy classes first.
+from diffusers.models import LTX2VideoTransformer3DModel
 from torch import nn
 
-from ..random_init import init_weights_
+from ..random_init import M, init_weights_
 
 # The real LTX-2.3 transformer (19B; 21B with the text connectors): 48 layers, 32 heads x 128 (4096-wide video),
 # 32 heads x 64 (2048-wide audio).
@@ -109,7 +110,7 @@ def _special(name: str) -> bool:
 
 
 @torch.no_grad()
-def seeded_init_(model: nn.Module, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+def seeded_init_(model: M, seed: int, device: str | torch.device = "cpu") -> M:
     """Seeded random weights for a model with LTX-2's parameter kinds, in place.
 
     Linear, Embedding, conv and norm parameters (the leaf modules) get `init_weights_`'s rules, each leaf from its
@@ -152,8 +153,7 @@ def build_transformer(
     return build_seeded(lambda: LTX2VideoTransformer3DModel(**config), seed, dtype, device)
 
 
-def build_seeded(make: Callable[[], nn.Module], seed: int, dtype: torch.dtype,
-                 device: str | torch.device) -> nn.Module:
+def build_seeded(make: Callable[[], M], seed: int, dtype: torch.dtype, device: str | torch.device) -> M:
     """`make()` with seeded random weights in `dtype` on `device` (drawn there), eval mode. The parameters start on
     the meta device, so a large model is allocated once, directly in `dtype`, and never default-initialised. Only
     for modules without tied parameters or buffers (the LTX-2 transformer and connectors compute RoPE per call)."""

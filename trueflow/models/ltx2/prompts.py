@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...collate import Cond
+
 if TYPE_CHECKING:  # the classes load transformers' and diffusers' model code; callers pass built objects
-    from transformers import GemmaTokenizer
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer
 
 # Token stream -> its mask key, named as `LTX2VideoTransformer3DModel.forward`'s keyword arguments.
 TEXT_STREAMS: dict[str, str] = {
@@ -45,7 +48,7 @@ MAX_TEXT_TOKENS = 1024  # LTX2Pipeline's default max_sequence_length (Gemma-3's 
 class TextModule(nn.Module):
     """Gemma-3 and the LTX-2 connectors, the two modules `encode_prompts` runs."""
 
-    def __init__(self, text_encoder: nn.Module, connectors: nn.Module):
+    def __init__(self, text_encoder: Gemma3ForConditionalGeneration, connectors: LTX2TextConnectors):
         super().__init__()
         self.text_encoder = text_encoder
         self.connectors = connectors
@@ -65,14 +68,14 @@ def load_text(root: str | Path, device: torch.device | str, dtype: torch.dtype) 
 
 @torch.no_grad()
 def encode_prompts(tokenizer: "GemmaTokenizer", text_module: TextModule, prompts: list[str],
-                   max_sequence_length: int = MAX_TEXT_TOKENS) -> list[dict[str, torch.Tensor]]:
+                   max_sequence_length: int = MAX_TEXT_TOKENS) -> list[Cond]:
     """One `Cond` per prompt: `encoder_hidden_states` `[L, video width]` and `audio_encoder_hidden_states`
     `[L, audio width]`, L = max_sequence_length, every token valid (no mask entry: see the module docstring).
 
     The prompts are encoded as one batch, as the pipeline encodes a list (unguided; with guidance it encodes the
     negatives in their own batch, then runs the connectors on [negatives, prompts])."""
     text_encoder, connectors = text_module.text_encoder, text_module.connectors
-    registers = connectors.config.video_connector_num_learnable_registers
+    registers = connectors.config["video_connector_num_learnable_registers"]
     if max_sequence_length < 1 or (registers and max_sequence_length % registers):
         raise ValueError(f"max_sequence_length must be a positive multiple of the connectors' {registers} learnable "
                          f"registers, got {max_sequence_length}")

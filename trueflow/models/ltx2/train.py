@@ -17,6 +17,8 @@ pass), off the model's joint audio-video distribution; training adapts the video
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -53,8 +55,9 @@ def train_forward(model: nn.Module, hidden_states: torch.Tensor, timestep: torch
     """The video prediction `[B, S, C]` for packed latents `hidden_states` (in the model dtype), `timestep` =
     `train_timestep(t)` (`[B]`), `grid` = (latent frames, rows, cols), and `cond` from `encode_prompts` (collated)."""
     batch = hidden_states.shape[0]
-    config = model.config
+    config: Any = model.config  # diffusers' FrozenDict (attribute access; nn.Module types it as a tensor/module)
     text = cond["encoder_hidden_states"]
+    assert text is not None  # the pipeline always passes the video text stream
     audio_text = cond.get("audio_encoder_hidden_states")
     if audio_text is None:  # the isolated video output never reads it; one token keeps the audio stream well formed
         audio_text = text.new_zeros(batch, 1, config.audio_cross_attention_dim)

@@ -18,7 +18,9 @@ parallelism.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,7 @@ from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
 from ...layers.modulation import AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 
@@ -167,7 +170,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: LTX2Config):
         super().__init__()
         self.config = config
-        self.impl = rope_tables_fused
+        self.impl: Callable[..., RopeTables] = rope_tables_fused  # a patch group may swap it
         self._cache: dict = {}
 
     def forward(self, grid: tuple[int, int, int], fps: float, device) -> RopeTables:
@@ -283,7 +286,7 @@ AUDIO_INPUTS = frozenset({"audio_hidden_states", "audio_encoder_hidden_states", 
                           "audio_timestep", "audio_sigma", "audio_num_frames", "audio_coords", "use_cross_timestep"})
 
 
-class LTX2Transformer(nn.Module):
+class LTX2Transformer(EngineModel):
     def __init__(self, config: LTX2Config):
         super().__init__()
         self.config = c = config
@@ -298,6 +301,7 @@ class LTX2Transformer(nn.Module):
         self.transformer_blocks = nn.ModuleList(TransformerBlock(c) for _ in range(c.num_layers))
         self.scale_shift_table = nn.Parameter(torch.empty(2, dim))
         self.norm_out = LayerNormScaleShift(1e-6)
+        assert c.out_channels is not None  # `LTX2Config.from_dict` fills it
         self.proj_out = Linear(dim, c.out_channels)
         self.lora_merge = True  # fast default: a LoRA update is folded into the weights
         self.text_mask_bias = False  # fast default: no mask when every text token is valid, else a bool mask
@@ -311,7 +315,8 @@ class LTX2Transformer(nn.Module):
         if not self.text_mask_bias:
             return None if mask is None else mask.bool()[:, None, None, :]
         blocks = self.transformer_blocks
-        heads = blocks[0].attn2.heads if len(blocks) else self.config.num_attention_heads
+        # the ModuleList holds TransformerBlocks (nn.ModuleList types its items as modules)
+        heads = cast(TransformerBlock, blocks[0]).attn2.heads if len(blocks) else self.config.num_attention_heads
         m = torch.ones(batch, text_len, device=device, dtype=dtype) if mask is None else mask
         bias = ((1 - m.to(dtype)) * -10000.0).unsqueeze(1)
         return bias.repeat_interleave(heads, dim=0).view(batch, heads, -1, text_len)

@@ -11,10 +11,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
+# diffusers' model and pipeline classes from their defining modules: `diffusers`' own TYPE_CHECKING
+# imports name its dummy classes first, so a checker sees those.
+from diffusers.models import AutoencoderKLQwenImage
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -61,7 +65,7 @@ A square wooden box with round metal handles and a smooth, shiny texture.
 """
 
 # hidden_size is set from the transformer's joint_attention_dim: the pipeline feeds the last hidden state to it.
-_TEXT_ENCODER = {
+_TEXT_ENCODER: dict[str, Any] = {
     "text_config": {
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -133,8 +137,9 @@ def build_tokenizer() -> Qwen2Tokenizer:
     # Named tokens as in Qwen2.5-VL's tokenizer_config.json.
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
-        merges=[tuple(m) for m in model["merges"]],
-        unk_token=None,
+        # transformers types merges as "a b" strings and unk_token as a str; its tokenizers backend takes these
+        merges=[tuple(m) for m in model["merges"]],  # type: ignore[misc]
+        unk_token=None,  # type: ignore[arg-type]
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=list(SPECIAL_TOKENS[1:]),
@@ -151,7 +156,7 @@ def build_tokenizer() -> Qwen2Tokenizer:
 
 def _build_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int, seed: int) -> Qwen2_5_VLForConditionalGeneration:
     """Tiny Qwen2.5-VL with seeded random weights whose token ids match `tokenizer`."""
-    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    ids = {tok: cast(int, tokenizer.convert_tokens_to_ids(tok)) for tok in SPECIAL_TOKENS}  # one token: one id
     if hidden_size not in _TEXT_HEADS:
         raise ValueError(f"no text-encoder layout for joint_attention_dim {hidden_size}; known: {sorted(_TEXT_HEADS)}")
     heads, kv_heads, mrope = _TEXT_HEADS[hidden_size]
@@ -187,7 +192,7 @@ def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler.from_config(QWEN_IMAGE_SCHEDULER_CONFIG),
         vae=init_weights_(AutoencoderKLQwenImage(**_VAE), seed + 1).eval(),
-        text_encoder=_build_text_encoder(tokenizer, transformer.config.joint_attention_dim, seed + 2),
+        text_encoder=_build_text_encoder(tokenizer, transformer.config["joint_attention_dim"], seed + 2),
         tokenizer=tokenizer,
         transformer=transformer,
     )

@@ -14,7 +14,7 @@ from ...collate import Cond
 from ...layers.linear import Linear
 from ...layers.norms import RMSNorm
 from ..cfg import rescaled_cfg
-from ..spec import EngineSide, Guidance, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
+from ..spec import EngineSide, Grid, Guidance, ModelFamily, PatchGroupSpec, PipelineSide, Presets, TrainSide, lazy
 from ..tp_plan import TPPlan
 from . import patches, weights
 from .latents import PATCH, PIXELS_PER_TOKEN, VAE_SCALE_FACTOR, latent_grid, pack_latents
@@ -30,7 +30,7 @@ def _load_text(root: Path, device: torch.device, dtype: torch.dtype):
 
     tokenizer = Qwen2Tokenizer.from_pretrained(root / "tokenizer")
     text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=dtype)
-    return tokenizer, text_encoder.to(device).eval()
+    return tokenizer, text_encoder.to(device).eval()  # type: ignore[arg-type]  # transformers' `@wraps` .to, typed unbound by typeshed
 
 
 def _encode_prompts(tokenizer, text_encoder, prompts: list[str], max_sequence_length: int) -> list[Cond]:
@@ -38,7 +38,7 @@ def _encode_prompts(tokenizer, text_encoder, prompts: list[str], max_sequence_le
     return [{"encoder_hidden_states": e} for e in encode_prompts(tokenizer, text_encoder, prompts, max_sequence_length)]
 
 
-def _noise_shape(config: QwenImageConfig, grid: tuple[int, int]) -> tuple[int, ...]:
+def _noise_shape(config: QwenImageConfig, grid: Grid) -> tuple[int, ...]:  # (rows, cols)
     # The pipeline's prepare_latents: [B, 1, C/4, 2·rows, 2·cols], packed 2x2 into tokens of C channels.
     return 1, config.in_channels // 4, PATCH * grid[0], PATCH * grid[1]
 

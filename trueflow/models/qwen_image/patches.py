@@ -94,6 +94,7 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, ta
     (copied into `out`, a view of the joint attention buffer, if given: the values of diffusers' torch.cat)."""
     x = rms_norm_reference(x, weight, eps)
     x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    assert tables.freqs is not None  # the complex tables (`rope_tables_reference`)
     return into(torch.view_as_real(x_c * tables.freqs.unsqueeze(1)).flatten(3).type_as(x), out)
 
 

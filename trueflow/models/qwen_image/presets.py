@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from diffusers import QwenImageTransformer2DModel
+# # from `diffusers.models`: `diffusers`' own TYPE_CHECKING imports name its dummy classes first.
+from diffusers.models import QwenImageTransformer2DModel
 from torch import nn
 
 from ..random_init import init_weights_

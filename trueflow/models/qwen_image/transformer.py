@@ -21,6 +21,7 @@ from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
 from ...layers.rope import QKNormRope, RopeTables, rope_tables_fused
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 
 
@@ -197,7 +198,7 @@ class OutputNorm(nn.Module):
         return self.norm(x, shift, scale)
 
 
-class QwenImageTransformer(nn.Module):
+class QwenImageTransformer(EngineModel):
     def __init__(self, config: QwenImageConfig):
         super().__init__()
         self.config = c = config

@@ -17,10 +17,15 @@ import string
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
+# diffusers' model and pipeline classes from their defining modules: `diffusers`' own TYPE_CHECKING
+# imports name its dummy classes first, so a checker sees those.
+from diffusers.models import AutoencoderKL
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 from tokenizers import pre_tokenizers
+# transformers' T5TokenizerFast (what the pipeline names) is T5Tokenizer (one tokenizers-backed class)
 from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
-                          T5TokenizerFast)
+                          T5Tokenizer)
 
 from ..random_init import init_weights_
 from .presets import build_transformer
@@ -50,13 +55,13 @@ def build_clip_tokenizer(pad_token: str = "<|endoftext|>") -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=[], pad_token=pad_token, model_max_length=CLIP_MAX_LENGTH)
 
 
-def build_t5_tokenizer() -> T5TokenizerFast:
+def build_t5_tokenizer() -> T5Tokenizer:
     """T5's Unigram (pad 0, eos 1, unk 2 as the real one) over printable characters, each with and without the
     word-start marker; no sentinel tokens."""
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     for c in string.ascii_letters + string.digits + string.punctuation:
         pieces += [("▁" + c, -3.0), (c, -4.0)]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
 def _heads(width: int) -> int:
@@ -85,10 +90,10 @@ def build_clip(tokenizer: CLIPTokenizer, width: int, act: str, seed: int) -> CLI
     return init_weights_(CLIPTextModelWithProjection(config), seed).eval()
 
 
-def build_t5(tokenizer: T5TokenizerFast, width: int, seed: int) -> T5EncoderModel:
+def build_t5(tokenizer: T5Tokenizer, width: int, seed: int) -> T5EncoderModel:
     """A two-layer T5 v1.1 encoder (gated GELU, no biases) of `width`, d_ff 2.5x as T5-XXL's 10240/4096."""
     heads = _heads(width)
-    config = T5Config(
+    config = T5Config(  # type: ignore[call-arg]  # transformers' T5Config takes these legacy kwargs (__post_init__), untyped
         vocab_size=-(-len(tokenizer) // 64) * 64, d_model=width, d_kv=width // heads, d_ff=5 * width // 2,
         num_layers=TEXT_LAYERS, num_heads=heads, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

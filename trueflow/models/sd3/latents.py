@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..spec import Grid
+
 VAE_SCALE_FACTOR = 8  # pixels per latent: 2 ** (len(vae.config.block_out_channels) - 1)
 PATCH = 2  # the transformer's patch_size
 PIXELS_PER_TOKEN = VAE_SCALE_FACTOR * PATCH
@@ -27,7 +29,7 @@ def latent_grid(height: int, width: int, num_frames: int = 1) -> tuple[int, int]
     return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
 
 
-def noise_shape(config: Mapping[str, Any] | Any, grid: tuple[int, int]) -> tuple[int, ...]:
+def noise_shape(config: Mapping[str, Any] | Any, grid: Grid) -> tuple[int, ...]:  # (rows, cols)
     """One sample's initial noise `(C, h, w)` (`prepare_latents` draws the batch `[B, C, h, w]`; with a list of
     generators, each sample `[1, C, h, w]` from its own)."""
     channels = config["in_channels"] if isinstance(config, Mapping) else config.in_channels

@@ -16,11 +16,16 @@ Every prompt therefore has the same length and no mask: the conditioning is stac
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ...collate import Cond
+
+if TYPE_CHECKING:  # the classes load transformers' model code; callers pass built objects
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 MAX_TEXT_TOKENS = 512  # StableDiffusion3Pipeline.check_inputs: max_sequence_length cannot be greater than 512
 
@@ -29,7 +34,8 @@ class TextModule(nn.Module):
     """The pipeline's three text encoders: `text_encoder` (CLIP-L), `text_encoder_2` (CLIP-G), `text_encoder_3`
     (T5-XXL)."""
 
-    def __init__(self, text_encoder: nn.Module, text_encoder_2: nn.Module, text_encoder_3: nn.Module):
+    def __init__(self, text_encoder: CLIPTextModelWithProjection, text_encoder_2: CLIPTextModelWithProjection,
+                 text_encoder_3: T5EncoderModel):
         super().__init__()
         self.text_encoder, self.text_encoder_2, self.text_encoder_3 = text_encoder, text_encoder_2, text_encoder_3
 
@@ -38,12 +44,13 @@ def load_text(root: str | Path, device: torch.device | str, dtype: torch.dtype) 
                                                                                          TextModule]:
     """The checkpoint's three tokenizers, and its three text encoders in `dtype` on `device` (eval mode), loaded as
     the pipeline's `from_pretrained(dtype=...)` loads them."""
-    from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    # transformers' T5TokenizerFast (what the pipeline names) is T5Tokenizer (one tokenizers-backed class)
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
     root = Path(root)
     tokenizers = (CLIPTokenizer.from_pretrained(root / "tokenizer"),
                   CLIPTokenizer.from_pretrained(root / "tokenizer_2"),
-                  T5TokenizerFast.from_pretrained(root / "tokenizer_3"))
+                  T5Tokenizer.from_pretrained(root / "tokenizer_3"))
     encoders = TextModule(CLIPTextModelWithProjection.from_pretrained(root / "text_encoder", dtype=dtype),
                           CLIPTextModelWithProjection.from_pretrained(root / "text_encoder_2", dtype=dtype),
                           T5EncoderModel.from_pretrained(root / "text_encoder_3", dtype=dtype))
@@ -61,7 +68,7 @@ def _clip(tokenizer, text_encoder: nn.Module, prompts: list[str], max_length: in
 
 @torch.no_grad()
 def encode_prompts(tokenizers: tuple[Any, Any, Any], text: TextModule, prompts: list[str],
-                   max_sequence_length: int = 256) -> list[dict[str, torch.Tensor]]:
+                   max_sequence_length: int = 256) -> list[Cond]:
     """One `Cond` per prompt: `encoder_hidden_states` `[77 + max_sequence_length, joint width]` and
     `pooled_projections` `[pooled width]`, the prompts encoded as one batch, as `encode_prompt` encodes a list."""
     if not 1 <= max_sequence_length <= MAX_TEXT_TOKENS:

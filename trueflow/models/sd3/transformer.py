@@ -32,6 +32,7 @@ from ...layers.feed_forward import FeedForward
 from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.rope import QKNormRope
+from ..spec import EngineModel
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
 from .latents import unpack_latents
 
@@ -240,13 +241,14 @@ class SelfAttention(nn.Module):
         inner = heads * head_dim
         self.head_dim = head_dim
         self.to_qkv = Linear(dim, 3 * inner, splits=(inner,) * 3)
-        self.norm_q, self.norm_k = (QKNormRope(head_dim, EPS), QKNormRope(head_dim, EPS)) if qk_norm else (None, None)
+        self.norm_q: QKNormRope | None = QKNormRope(head_dim, EPS) if qk_norm else None
+        self.norm_k: QKNormRope | None = QKNormRope(head_dim, EPS) if qk_norm else None
         self.to_out = Linear(inner, dim)
         self.backend = "sdpa"
 
     def forward(self, img: torch.Tensor) -> torch.Tensor:
         q, k, v = (_heads(t, self.head_dim) for t in self.to_qkv(img))
-        if self.norm_q is not None:
+        if self.norm_q is not None and self.norm_k is not None:  # both or neither (qk_norm)
             q, k = self.norm_q(q, None), self.norm_k(k, None)
         return self.to_out(attention(q, k, v, None, self.backend).flatten(2, 3).to(q.dtype))
 
@@ -279,6 +281,7 @@ class JointBlock(nn.Module):
             (txt_normed,), c = self.norm1_context(txt, temb_act)
         img_attn, txt_attn = self.attn(normed[0], txt_normed)
         if self.dual:  # h + gate·attn, then + gate2·attn2, then the MLP's norm of that
+            assert self.attn2 is not None  # built with `dual`
             img = self.attn_gate_add(img_attn, m[2], img)
             img, img_x = self.norm2(img, self.attn2(normed[1]), m[8], m[3], m[4])
         else:
@@ -291,11 +294,12 @@ class JointBlock(nn.Module):
         return txt, img  # diffusers' order: (encoder_hidden_states, hidden_states)
 
 
-class SD3Transformer(nn.Module):
+class SD3Transformer(EngineModel):
     def __init__(self, config: SD3Config):
         super().__init__()
         self.config = c = config
         dim = c.inner_dim
+        assert c.out_channels is not None and c.pos_embed_max_size is not None  # `SD3Config.from_dict` sets them
         self.pos_embed = PatchEmbed(c.in_channels, dim, c.patch_size, c.pos_embed_max_size)
         self.time_text_embed = TimeTextEmbed(dim, c.pooled_projection_dim)
         self.context_embedder = Linear(c.joint_attention_dim, c.caption_projection_dim)

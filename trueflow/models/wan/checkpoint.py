@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+from diffusers import UniPCMultistepScheduler
+# diffusers' model and pipeline classes from their defining modules: `diffusers`' own TYPE_CHECKING
+# imports name its dummy classes first, so a checker sees those.
+from diffusers.models import AutoencoderKLWan
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 from ..random_init import init_weights_
@@ -88,11 +92,12 @@ def build_pipeline(size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000,
                                         flow_shift=A14B_FLOW_SHIFT if layout == "a14b" else TI2V_FLOW_SHIFT)
+    # WanPipeline annotates its tokenizer as AutoTokenizer and its scheduler as the Euler one; it takes these
     return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=build_text_encoder(tokenizer, experts[0].config.text_dim, seed + 2),
+        tokenizer=tokenizer,  # type: ignore[arg-type]
+        text_encoder=build_text_encoder(tokenizer, experts[0].config["text_dim"], seed + 2),
         vae=build_vae(layout, seed + 3),
-        scheduler=scheduler,
+        scheduler=scheduler,  # type: ignore[arg-type]
         transformer=experts[0],
         transformer_2=experts[1] if layout == "a14b" else None,
         boundary_ratio=BOUNDARY_RATIO if layout == "a14b" else None,

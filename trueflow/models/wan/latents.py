@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..spec import Grid
+
 PATCH = (1, 2, 2)  # every published Wan2.x transformer's patch_size (transformer.WanConfig requires it)
 FRAMES_PER_LATENT = 4  # both VAEs' scale_factor_temporal: frame counts are 4k + 1
 FRAME_REASON = f"the VAE's causal temporal factor {FRAMES_PER_LATENT}: {FRAMES_PER_LATENT}k + 1 frames"
@@ -43,7 +45,7 @@ def latent_grid(height: int, width: int, num_frames: int, spatial: int = 8) -> t
     return (num_frames - 1) // FRAMES_PER_LATENT + 1, height // granule, width // granule
 
 
-def noise_shape(config: Mapping[str, Any] | Any, grid: tuple[int, int, int]) -> tuple[int, ...]:
+def noise_shape(config: Mapping[str, Any] | Any, grid: Grid) -> tuple[int, ...]:  # (frames, rows, cols)
     """One sample's initial noise `(C, frames, H, W)` in latents (`prepare_latents` draws the batch
     `[B, C, F, H, W]`): `in_channels` of the transformer (the VAE's z_dim), the grid times the patch."""
     channels = config["in_channels"] if isinstance(config, Mapping) else config.in_channels

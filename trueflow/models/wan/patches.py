@@ -78,6 +78,7 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, he
     y = F.rms_norm(x, (x.shape[-1],), weight, eps).unflatten(-1, (heads, -1))
     if tables is None:
         return y
+    assert tables.cos is not None and tables.sin is not None  # the real tables
     cos, sin = tables.cos[:, None, :], tables.sin[:, None, :]  # [S, 1, D/2], as freqs[..., 0::2] of [1, S, 1, D]
     x1, x2 = y.unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.empty_like(y)

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from diffusers import WanTransformer3DModel
+# from `diffusers.models`: `diffusers`' own TYPE_CHECKING imports name its dummy classes first.
+from diffusers.models import WanTransformer3DModel
 from torch import nn
 
-from ..random_init import init_weights_
+from ..random_init import M, init_weights_
 from .transformer import KEEP_IN_FP32
 
 _A14B: dict[str, Any] = {
@@ -72,7 +73,7 @@ def kept_in_fp32(name: str) -> bool:
 
 
 @torch.no_grad()
-def seeded_init_(model: nn.Module, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+def seeded_init_(model: M, seed: int, device: str | torch.device = "cpu") -> M:
     """Seeded random weights in place: each leaf module (Linear, Conv, norms) by `init_weights_` from its own
     generator seeded by (seed, position), so the same seed gives the same weights whatever the dtype; the modulation
     tables (`scale_shift_table`, kept directly on a block or the model) randn / sqrt(width), as diffusers draws them."""

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...collate import Cond
+
 if TYPE_CHECKING:  # the classes load transformers' model code; callers pass built objects
     from transformers import PreTrainedTokenizerBase, UMT5EncoderModel
 
@@ -33,12 +35,12 @@ def load_text(root: str | Path, device: torch.device | str, dtype: torch.dtype
     root = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype)
-    return tokenizer, text_encoder.to(device).eval()
+    return tokenizer, text_encoder.to(device).eval()  # type: ignore[arg-type]  # transformers' `@wraps` .to, typed unbound by typeshed
 
 
 @torch.no_grad()
 def encode_prompts(tokenizer: "PreTrainedTokenizerBase", text_encoder: "UMT5EncoderModel", prompts: list[str],
-                   max_sequence_length: int = MAX_TEXT_TOKENS) -> list[dict[str, torch.Tensor]]:
+                   max_sequence_length: int = MAX_TEXT_TOKENS) -> list[Cond]:
     """One `Cond` per prompt: `encoder_hidden_states` `[max_sequence_length, d_model]`, the prompt's valid tokens
     followed by zeros. The prompts are encoded as one batch, as the pipeline encodes a list."""
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean

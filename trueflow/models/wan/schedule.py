@@ -13,10 +13,11 @@ bit (tests/test_wan_pipeline.py). UniPC's samples differ (another solver, not an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+# from its defining module: `diffusers`' (and `diffusers.schedulers`') TYPE_CHECKING imports name dummy classes first
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 
 def euler_scheduler(scheduler_config: Mapping[str, Any]) -> FlowMatchEulerDiscreteScheduler:
@@ -48,8 +49,9 @@ def wan_schedule(scheduler_config: Mapping[str, Any], num_steps: int, image_seq_
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     scheduler = euler_scheduler(scheduler_config)
-    scheduler.set_timesteps(num_steps, device=device)
-    sigmas, timesteps = scheduler.sigmas, scheduler.timesteps
+    scheduler.set_timesteps(num_steps, device=device)  # type: ignore[arg-type]  # diffusers' `device: str | device = None`
+    # tensors once set_timesteps ran (the checker infers the attributes from __init__'s numpy arithmetic)
+    sigmas, timesteps = scheduler.sigmas, cast(torch.Tensor, scheduler.timesteps)
     if per_token:
         timesteps = timesteps[:, None].expand(-1, image_seq_len).contiguous()
     return sigmas, timesteps

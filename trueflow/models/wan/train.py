@@ -36,8 +36,8 @@ def train_forward(model: nn.Module, hidden_states: torch.Tensor, timestep: torch
     `train_timestep(t)`, `grid` = (latent frames, rows, cols) in patches, and `cond` from `encode_prompts`
     (collated); with `image_latents` in `cond` (image-to-video, TI2V-5B), the model input and the per-token
     timestep as `WanImageToVideoPipeline.__call__` makes them with `expand_timesteps` (`latents.first_frame_inputs`)."""
-    if cond.get("image_latents") is not None:
-        hidden_states, timestep = first_frame_inputs(hidden_states, timestep, cond["image_latents"])
+    if (image_latents := cond.get("image_latents")) is not None:
+        hidden_states, timestep = first_frame_inputs(hidden_states, timestep, image_latents)
     out = model(hidden_states=unpack_latents(hidden_states, grid), timestep=timestep,
                 encoder_hidden_states=cond["encoder_hidden_states"], return_dict=False)[0]
     return pack_latents(out)

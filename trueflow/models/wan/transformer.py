@@ -21,6 +21,7 @@ group (`patches.py`) swaps them for train-exact arithmetic. The model knows noth
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -34,6 +35,7 @@ from ...layers.modulation import GatedResidual, LayerNormScaleShift
 from ...layers.norms import LayerNorm
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
 from ...layers.timestep import TIMESTEP_CHANNELS, timestep_proj
+from ..spec import EngineModel
 from .latents import first_frame_inputs
 
 # What diffusers keeps in fp32 when it loads the model in another dtype (`WanTransformer3DModel._keep_in_fp32_modules`,
@@ -204,7 +206,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: WanConfig):
         super().__init__()
         self.config = config
-        self.impl = rope_tables_fused
+        self.impl: Callable[..., RopeTables] = rope_tables_fused  # a patch group may swap it
         self._cache: dict = {}
 
     def forward(self, grid: tuple[int, int, int], device) -> RopeTables:
@@ -297,7 +299,7 @@ class TransformerBlock(nn.Module):
         return self.ffn_residual(self.ffn(self.norm3(x, c_shift, c_scale)), c_gate, x)
 
 
-class WanTransformer(nn.Module):
+class WanTransformer(EngineModel):
     def __init__(self, config: WanConfig):
         super().__init__()
         self.config = c = config
