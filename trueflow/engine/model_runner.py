@@ -115,9 +115,12 @@ class ModelRunner:
         if getattr(self.transformer, "tp", None) is not None:
             raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
                              "with --tp 1, or start the engine from a checkpoint holding them")
+        if self.batcher is not None:  # its forwards are the batcher's now, which a new set of weights would race
+            raise ValueError("full-weight updates of an engine that merges rollouts' forwards (serve --max-merged) "
+                             "are not supported: start it without --max-merged, or from a checkpoint holding them")
         owned = isinstance(state_dict, OwnedWeights)
         parts = split_by_expert(state_dict, self.names) if len(self.transformers) > 1 else [state_dict]
-        # the runner's GraphedForwards (`merge_forwards` wraps them; a merged runner takes no full-weight update)
+        # the runner's GraphedForwards (`merge_forwards` wraps them; a merged runner is refused above)
         parts = [OwnedWeights(p) if owned and not cast(GraphedForward, f).enabled else dict(p)
                  for p, f in zip(parts, self.forwards)]
         if len(parts) > 1:  # checked first, so a bad part changes no expert
