@@ -115,7 +115,7 @@ class ModelRunner:
         if getattr(self.transformer, "tp", None) is not None:
             raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
                              "with --tp 1, or start the engine from a checkpoint holding them")
-        if self.batcher is not None:  # its forwards are the batcher's now, which a new set of weights would race
+        if self.batcher is not None:  # its forwards are the batcher's partials now, not GraphedForwards
             raise ValueError("full-weight updates of an engine that merges rollouts' forwards (serve --max-merged) "
                              "are not supported: start it without --max-merged, or from a checkpoint holding them")
         owned = isinstance(state_dict, OwnedWeights)
