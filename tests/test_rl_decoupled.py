@@ -112,3 +112,29 @@ def test_on_policy_the_decoupled_loss_is_ppos_bit_for_bit():
     sync.backward()
     decoupled.backward()
     assert torch.equal(sync, decoupled) and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("async_rollouts", [1, 0])
+def test_the_trainers_policy_loss_is_the_oracles(async_rollouts):
+    """The trainer's wiring of the objective (`Trainer._policy_loss`), not only the functions: with
+    --async-rollouts the behaviour log-prob it weights by is the engine's recorded one (b.old_log_prob = log μ) and
+    π_prox is the current forward, so d L / d logp = −min(ρ̄, π_θ/μ)·A / B; without, PPO-clip against the recorded
+    log-prob (the oracle with π_prox = μ: w = 1)."""
+    from types import SimpleNamespace
+
+    from trueflow.train.trainer import Trainer
+
+    logp = _t(np.linspace(-3.0, 1.0, len(ADV)), requires_grad=True)
+    current = logp.detach().double().numpy()
+    recorded = current - (LOG_BEHAVIOUR if async_rollouts else LOG_RATIO)
+    cfg = SimpleNamespace(algorithm="grpo", async_rollouts=async_rollouts, ratio_norm="none", clip_range=EPS_CLIP,
+                          async_is_cap=CAP)
+    batch = SimpleNamespace(advantages=_t(ADV), old_log_prob=_t(recorded))
+    loss, _ = Trainer._policy_loss(SimpleNamespace(cfg=cfg), batch, None, logp, None, None)
+    loss.backward()
+    prox = current if async_rollouts else recorded
+    want_loss, want_grad = _oracle(current, prox, recorded, ADV, EPS_CLIP, CAP)
+    # float32 against float64: w = exp(logp − log μ) rounds once more than the oracle (a few ulps), nothing a
+    # mutation (w = 1, μ and π swapped, the cap dropped) could hide in
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5)
+    np.testing.assert_allclose(logp.grad.double().numpy(), want_grad, rtol=1e-5, atol=1e-9)
