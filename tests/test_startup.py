@@ -66,6 +66,8 @@ def test_mistakes_are_refused_before_anything_heavy_loads(tiny_checkpoint, ltx2_
         ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--ema"],
         ["parity", "--checkpoint", q, "--resolution", "70"],
         ["parity", "--checkpoint", q, "--batch", "0"],
+        ["parity", "--checkpoint", q, "--train-micro-batch", "0"],
+        ["generate", "--checkpoint", q, "--prompt", "p", "--output-dir", "o", "--image", nowhere],  # Qwen takes none
         ["serve", "--checkpoint", q, "--max-steps", "0"],
         ["serve", "--checkpoint", q, "--weights-root", nowhere],
         ["serve", "--checkpoint", ltx, "--patch-group", "qwen_image"],

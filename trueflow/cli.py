@@ -96,8 +96,9 @@ def _flag_named(message: str) -> str:
 def _sampling_params(a: argparse.Namespace, fam: ModelFamily) -> SamplingParams:
     """The verb's sampling flags as `SamplingParams`, checked against the family, each error naming the flag the
     user typed (`--resolution 70: must be a multiple of 16 ...`)."""
-    from .engine.sampling_params import SamplingParams
+    from .engine.sampling_params import SamplingParams, check_family_limits
 
+    image = getattr(a, "image", None)
     height, width, h_flag, w_flag = size_of(a)
     granule = fam.pipeline.pixels_per_token
     for flag, v in dict.fromkeys([(h_flag, height), (w_flag, width)]):
@@ -109,13 +110,17 @@ def _sampling_params(a: argparse.Namespace, fam: ModelFamily) -> SamplingParams:
     except ValueError as e:
         raise ValueError(f"--num-frames {a.num_frames}: {e}") from None
     try:
-        return SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
-                              cfg_scale_2=a.cfg_scale_2, distilled_guidance_scale=a.distilled_guidance_scale,
-                              negative_prompt=a.negative_prompt, height=height, width=width,
-                              num_frames=a.num_frames, fps=a.fps, max_sequence_length=a.max_sequence_length,
-                              image=getattr(a, "image", None))
+        params = SamplingParams(steps=a.steps, sampler=a.sampler, noise_level=a.noise_level, cfg_scale=a.cfg_scale,
+                                cfg_scale_2=a.cfg_scale_2, distilled_guidance_scale=a.distilled_guidance_scale,
+                                negative_prompt=a.negative_prompt, height=height, width=width,
+                                num_frames=a.num_frames, fps=a.fps, max_sequence_length=a.max_sequence_length,
+                                image=image)
+        check_family_limits(params, fam)  # what the engine would refuse after loading (an image, the guidance)
     except ValueError as e:
         raise ValueError(_flag_named(str(e))) from None
+    if image is not None and not Path(image).is_file():
+        raise FileNotFoundError(f"--image {image}: no such file; image-to-video needs its first frame as an image file")
+    return params
 
 
 def _check_output_dir(path: str) -> Path:
@@ -226,7 +231,8 @@ def _check_parity(a: argparse.Namespace) -> None:
     if a.resolution < granule or a.resolution % granule:
         raise ValueError(f"--resolution {a.resolution}: must be a positive multiple of {granule} pixels for "
                          f"{fam.name} ({fam.pipeline.size_reason})")
-    for flag, v, least in (("--batch", a.batch, 1), ("--text-len", a.text_len, 1), ("--lora-rank", a.lora_rank, 0)):
+    for flag, v, least in (("--batch", a.batch, 1), ("--text-len", a.text_len, 1), ("--lora-rank", a.lora_rank, 0),
+                           ("--train-micro-batch", 1 if a.train_micro_batch is None else a.train_micro_batch, 1)):
         if v < least:
             raise ValueError(f"{flag} {v}: must be >= {least}")
     if (a.tp != 1 or a.train_tp_match is not None) and (a.ablate or a.output_dir or a.expert or a.cfg_scale != 1):
