@@ -6,7 +6,8 @@ Per rank of R, for P weights of which P_t are trained and P_e reach the engine (
 - the sharded training state: fp32 masters of every weight 4·P/R, fp32 gradients 4·P_t/R, the optimizer's moments
   8·P_t/R (`adamw`) or 4·P_t/R (`adamw_bf16`), the EMA 4·P_t/R unless `--ema-offload` moves it to the CPU;
 - FSDP2's gathered bf16 compute copies: the unit being computed and the one prefetched, 2 · 2·P_unit;
-- activations of one micro-batch of `rows` samples of T tokens through L blocks of width d: 34·d bytes per token
+- activations of one micro-batch of `rows` samples (twice its samples with true CFG: both branches keep theirs
+  for the backward) of T tokens through L blocks of width d: 34·d bytes per token
   and block in bf16 (Korthikanti et al., arXiv 2205.05198, Sec. 4.1, Eq. 1 without its 5·a·s/h term: a fused
   attention kernel keeps no score matrix; its dropout masks make it an upper bound for a DiT, which has none);
   with activation checkpointing (diffusers' per-block `enable_gradient_checkpointing`) each block keeps only its
@@ -151,7 +152,10 @@ def check_fits(cfg, ranks: int) -> None:
     models = [from_checkpoint(family, cfg.checkpoint, e) for e in experts]
     m = Model(params=sum(x.params for x in models), trained=sum(x.trained for x in models),
               unit=max(x.unit for x in models), blocks=models[0].blocks, width=models[0].width)
-    setting = Setting(rows=cfg.micro_batch_size_sample * cfg.micro_batch_size_tstep,
+    # With true CFG the train forward runs both branches with gradient (`engine.guidance.guide`): twice the rows
+    # hold activations until the backward.
+    branches = 2 if cfg.cfg_scale > 1 and family.guidance.branches != "none" else 1
+    setting = Setting(rows=cfg.micro_batch_size_sample * cfg.micro_batch_size_tstep * branches,
                       tokens=sample_tokens(family, cfg.resolution, cfg.num_frames), optimizer=cfg.optimizer,
                       ema=bool(cfg.ema_decay), ema_offload=cfg.ema_offload, checkpointing=cfg.gradient_checkpointing,
                       engine_colocated=not (cfg.engine_url or (cfg.ray and cfg.rollout_gpus)))
