@@ -23,6 +23,8 @@ FAMILY_SHRINK = {"qwen_image": ["--steps", "2", "--num-sde-steps", "1"],
                           "--num-frames", "9", "--lora-rank", "4", "--lora-alpha", "8"],
                  "sd3": ["--steps", "2", "--num-sde-steps", "1", "--sde-window", "0,2", "--resolution", "32",
                          "--max-sequence-length", "8", "--lora-rank", "4", "--lora-alpha", "8"],
+                 "wan": ["--steps", "2", "--num-sde-steps", "1", "--sde-window", "0,2", "--resolution", "32",
+                         "--num-frames", "5", "--max-sequence-length", "8", "--lora-rank", "4", "--lora-alpha", "8"],
                  "flux": ["--steps", "2", "--num-sde-steps", "1", "--sde-window", "0,2", "--resolution", "32",
                           "--max-sequence-length", "8", "--lora-rank", "4", "--lora-alpha", "8"]}
 
@@ -52,8 +54,11 @@ def test_a_recipe_names_its_family_and_device_and_prints_as_written(recipe, caps
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
 def test_a_shrunk_run_of_a_recipe_trains_bitwise(recipe, tmp_path, request):
     family = yaml.safe_load(recipe.read_text())["model"]["family"]
+    # the tiny checkpoint of the recipe's family (of its layout: Wan2.2's TI2V-5B recipe takes the dense one)
     checkpoint = request.getfixturevalue({"qwen_image": "tiny_checkpoint", "ltx2": "ltx2_checkpoint",
-                                          "sd3": "sd3_checkpoint", "flux": "flux_checkpoint"}[family])
+                                          "sd3": "sd3_checkpoint", "flux": "flux_checkpoint",
+                                          "wan": "wan_ti2v_checkpoint" if "ti2v" in recipe.stem else
+                                          "wan_a14b_checkpoint"}[family])
     out = tmp_path / "run"
     argv = ["--config", str(recipe), "--checkpoint", str(checkpoint), "--output-dir", str(out), *SHRINK,
             *FAMILY_SHRINK[family]]
