@@ -8,9 +8,19 @@ and each of its patches can be switched off alone to see what it buys. This modu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch import nn
+
+def attention_kernel(kernels: Mapping[str, str], train_backend: str, condition: str = "") -> str:
+    """The engine kernel whose forward is bitwise `train_backend`'s (a family's diffusers attention backend ->
+    engine kernel map), or ValueError naming the backends that have one; `condition`: what else the pairing must
+    reproduce, said in the error (" with LTX-2's text mask")."""
+    if train_backend not in kernels:
+        raise ValueError(f"no engine attention kernel reproduces the train backend {train_backend!r}{condition}; "
+                         f"choose one of {', '.join(kernels)}")
+    return kernels[train_backend]
+
 
 def set_on(kinds: type | tuple[type, ...], attr: str, value) -> Callable[[nn.Module], None]:
     """A patch's `apply` that sets `attr = value` on every module of the given type(s) (how a patch switches a layer

@@ -46,7 +46,7 @@ from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.rope import QKNormRope, RopeTables, into
 from ...layers.timestep import TIMESTEP_CHANNELS
-from ...patches import Patch, PatchGroup, set_on
+from ...patches import Patch, PatchGroup, attention_kernel, set_on
 from .transformer import (ROPE_THETA, FluxTransformer, JointAttention, RotaryEmbedding, SelfAttention,
                           TimeGuidanceTextEmbedding)
 
@@ -186,10 +186,7 @@ DEFAULT_TRAIN_ATTENTION_BACKEND = "_native_flash"
 def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -> PatchGroup:
     """The group for a train side that runs diffusers' attention backend `train_attention_backend`: the
     `attention_kernel` patch pins the kernel that backend runs; every other patch is the same."""
-    if train_attention_backend not in TRAIN_ATTENTION_KERNELS:
-        raise ValueError(f"no engine attention kernel reproduces the train backend {train_attention_backend!r}; "
-                         f"choose one of {', '.join(TRAIN_ATTENTION_KERNELS)}")
-    kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
+    kernel = attention_kernel(TRAIN_ATTENTION_KERNELS, train_attention_backend)
     return PatchGroup("flux", (
         Patch("layer_norm_scale_shift", "bf16 LayerNorm, then (1+scale), ·, +shift each rounded",
               set_on(LayerNormScaleShift, "impl", layer_norm_scale_shift_exact)),

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ...layers.linear import Linear
 from ...layers.modulation import AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
-from ...patches import Patch, PatchGroup, set_on
+from ...patches import Patch, PatchGroup, attention_kernel, set_on
 from .transformer import CrossAttention, LTX2Config, LTX2Transformer, RotaryEmbedding, SelfAttention, split_tables
 
 
@@ -148,10 +148,7 @@ DEFAULT_TRAIN_ATTENTION_BACKEND = "native"
 def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -> PatchGroup:
     """The group for a train side that runs diffusers' attention backend `train_attention_backend`: the
     `attention_kernel` patch pins the kernel that backend runs; every other patch is the same."""
-    if train_attention_backend not in TRAIN_ATTENTION_KERNELS:
-        raise ValueError(f"no engine attention kernel reproduces the train backend {train_attention_backend!r} with "
-                         f"LTX-2's text mask; choose one of {', '.join(TRAIN_ATTENTION_KERNELS)}")
-    kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
+    kernel = attention_kernel(TRAIN_ATTENTION_KERNELS, train_attention_backend, " with LTX-2's text mask")
     return PatchGroup("ltx", (
         Patch("rms_norm_scale_shift", "RMSNorm rounded to bf16, then (1+scale), ·, +shift each rounded",
               set_on(RMSNormScaleShift, "impl", rms_norm_scale_shift_reference)),

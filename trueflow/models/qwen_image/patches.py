@@ -24,7 +24,7 @@ from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ...layers.norms import RMSNorm
 from ...layers.rope import QKNormRope, RopeTables, into
-from ...patches import Patch, PatchGroup, set_on
+from ...patches import Patch, PatchGroup, attention_kernel, set_on
 from .transformer import (JointAttention, QwenImageTransformer, RotaryEmbedding, TIMESTEP_CHANNELS,
                           TimestepEmbedding, rope_positions)
 
@@ -196,10 +196,7 @@ DEFAULT_TRAIN_ATTENTION_BACKEND = "_native_flash"
 def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -> PatchGroup:
     """The group for a train side that runs diffusers' attention backend `train_attention_backend`: the
     `attention_kernel` patch pins the kernel that backend runs; every other patch is the same."""
-    if train_attention_backend not in TRAIN_ATTENTION_KERNELS:
-        raise ValueError(f"no engine attention kernel reproduces the train backend {train_attention_backend!r}; "
-                         f"choose one of {', '.join(TRAIN_ATTENTION_KERNELS)}")
-    kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
+    kernel = attention_kernel(TRAIN_ATTENTION_KERNELS, train_attention_backend)
     return PatchGroup("qwen_image", (
         Patch("rms_norm", "RMSNorm rounds x·rsqrt to bf16 before the weight multiply",
               set_on(RMSNorm, "impl", rms_norm_exact)),

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ...layers.linear import Linear
 from ...layers.modulation import GatedResidual, LayerNormScaleShift, rows
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
-from ...patches import Patch, PatchGroup, set_on
+from ...patches import Patch, PatchGroup, attention_kernel, set_on
 from .latents import unpack_latents
 from .transformer import (ConditionEmbedder, CrossAttention, PatchEmbedding, RotaryEmbedding, SelfAttention,
                           WanConfig, WanTransformer, time_rows_reference)
@@ -119,10 +119,7 @@ DEFAULT_TRAIN_ATTENTION_BACKEND = "_native_flash"
 def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -> PatchGroup:
     """The group for a train side that runs diffusers' attention backend `train_attention_backend`: the
     `attention_kernel` patch pins the kernel that backend runs; every other patch is the same."""
-    if train_attention_backend not in TRAIN_ATTENTION_KERNELS:
-        raise ValueError(f"no engine attention kernel reproduces the train backend {train_attention_backend!r}; "
-                         f"choose one of {', '.join(TRAIN_ATTENTION_KERNELS)}")
-    kernel = TRAIN_ATTENTION_KERNELS[train_attention_backend]
+    kernel = attention_kernel(TRAIN_ATTENTION_KERNELS, train_attention_backend)
     return PatchGroup("wan", (
         Patch("rope_tables", "RoPE tables built per axis in float64 on the CPU and rounded to fp32, as diffusers",
               set_on(RotaryEmbedding, "impl", rope_tables_reference)),
