@@ -18,6 +18,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from conftest import BF16, assert_bitwise, assert_differs, randn
@@ -338,20 +339,38 @@ def test_ltx2_microgroup_of_two_prompts_against_micro_batches_of_one(ltx, bi_mod
     assert_differs(*stock(probe, engines, rollout, train), "stock")
 
 
-# -- FLUX.1 at one block -----------------------------------------------------------------------------------------------
-def test_flux_microgroup_against_micro_batches_of_one(bi_mode):
-    """FLUX.1 (one double- and one single-stream block at the real widths, T5's 4096-wide text, LoRA on) needs nothing
-    but the mode: the engine's microgroup of 4 against the train side one sample at a time, bitwise, layer by layer;
-    the stock kernels under the plain group differ. (Its T5 text has one length, so no mask is involved.)"""
-    probe = ParityProbe(ProbeSpec(random_size="one_block", family="flux", batch=4, text_len=7, resolution=16,
+# -- FLUX.1, SD3.5 and Wan2.2 at one block ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_microgroup_against_micro_batches_of_one(family, bi_mode):
+    """Each family's `one_block` preset at its real GEMM widths (FLUX.1: a double- and a single-stream block, T5's
+    4096-wide text; SD3.5-Medium: a dual-attention joint block and the context pre-only last one; Wan2.2: one
+    TI2V-5B block), LoRA on, needs nothing but the mode: the engine's microgroup of 4 against the train side one
+    sample at a time, bitwise, layer by layer; the stock kernels under the plain group differ. (One text length,
+    so no mask is involved.) SD3's processor hands `to_add_out` a slice of the joint output that is contiguous at
+    batch 1 and strided above it, which the stock `F.linear` runs on two paths (`batch_invariant._linear`)."""
+    probe = ParityProbe(ProbeSpec(random_size="one_block", family=family, batch=4, text_len=7, resolution=16,
                                   lora_rank=4, batch_invariant=True, train_micro_batch=1))
-    result, _ = probe.run(f"flux:{BI.BACKEND}")
+    result, _ = probe.run(f"{family}:{BI.BACKEND}")
     assert result.bitwise_equal and result.first_differing_module is None, result.first_differing_module
     BI.disable()
     probe.train_backend = probe.family.train.backend(BF16)
     probe.set_inputs(probe.inputs)  # the train side again, micro-batches of one on the stock kernels
-    stock_result, _ = probe.run("flux")
+    stock_result, _ = probe.run(family)
     assert not stock_result.bitwise_equal, "stock: microgroup 4 vs micro-batches of 1 did not differ"
+
+
+def test_linear_takes_one_path_for_strided_and_contiguous_rows(bi_mode):
+    """The stock `F.linear` adds a strided 3-D input's bias after the GEMM (two roundings) and a contiguous one's in
+    its epilogue (one): the rows of a joint output's slice differ between batch 4 (strided) and batch 1
+    (contiguous). In the mode they are one path, and it is the epilogue one (torch.addmm of the rows)."""
+    x, w, b = randn((4, 24, 256), seed=1), randn((256, 256), seed=2, std=0.05), randn((256,), seed=3)
+    strided = F.linear(x[:, 16:], w, b)
+    alone = torch.cat([F.linear(x[i:i + 1, 16:], w, b) for i in range(4)])
+    assert_bitwise(strided, alone, "mode: strided batch 4 vs contiguous batch 1")
+    assert_bitwise(strided, torch.addmm(b, x[:, 16:].reshape(-1, 256), w.t()).view(4, 8, 256), "epilogue path")
+    BI.disable()
+    assert_differs(F.linear(x[:, 16:], w, b), torch.cat([F.linear(x[i:i + 1, 16:], w, b) for i in range(4)]),
+                   "stock F.linear, strided vs contiguous")
 
 
 # -- end to end at the tiny size ---------------------------------------------------------------------------------------
@@ -429,10 +448,12 @@ def test_server_merges_two_clients_rollouts(tiny_engine, bi_mode):
         assert_same_rollout(got, want)
 
 
-def test_a_family_the_mode_is_not_tested_on_is_refused_in_one_line():
-    from trueflow.models import batch_invariant_group
+def test_a_family_the_mode_is_not_tested_on_is_refused_in_one_line(monkeypatch):
+    import trueflow.models as models
 
-    assert batch_invariant_group("flux") == f"flux:{BI.BACKEND}"
-    with pytest.raises(ValueError, match=r"^--batch-invariant is not verified for sd3 \(tested: qwen_image, ltx2, "
+    assert set(models.BATCH_INVARIANT_FAMILIES) == set(models.families()), "every family is verified in the mode"
+    assert models.batch_invariant_group("sd3") == f"sd3:{BI.BACKEND}"
+    monkeypatch.setattr(models, "BATCH_INVARIANT_FAMILIES", ("qwen_image", "flux"))  # as for a new family
+    with pytest.raises(ValueError, match=r"^--batch-invariant is not verified for sd3 \(tested: qwen_image, "
                                          r"flux\): drop --batch-invariant$"):
-        batch_invariant_group("sd3")
+        models.batch_invariant_group("sd3")

@@ -74,6 +74,7 @@ def enable() -> None:
             for op, key, fn in impls:
                 _stock[op, key] = torch.library.get_kernel(f"aten::{op}", key)
                 lib.impl(op, fn, key, with_keyset=True)
+            lib.impl("linear", _linear, "CompositeImplicitAutograd")  # above autograd: it decomposes as the stock one
         _lib = lib
 
 
@@ -162,6 +163,19 @@ _CPU_GEMMS = {"mm": _mm_cpu, "addmm": _addmm_cpu, "bmm": _bmm_cpu}
 
 
 # -- CUDA: Triton kernels --------------------------------------------------------------------------------------------
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with one path for every input layout. The stock decomposition (aten/src/ATen/native/Linear.cpp)
+    adds a bias in the GEMM's epilogue (`addmm`, one rounding) for a 2-D input or a contiguous 3-D one, but as a
+    second op after `matmul` (two roundings) for a strided 3-D input. A slice of a joint `[B, S+L, D]` output, which
+    diffusers' SD3 processor (`JointAttnProcessor2_0`) hands `to_out` and `to_add_out`, is contiguous at batch 1 and
+    strided above it, so a row's bits would follow the batch size. The mode takes the epilogue path for every
+    input, copying a strided one to rows first (the 2-D and contiguous 3-D cases are the stock calls)."""
+    if bias is None or x.dim() < 2:
+        return torch.matmul(x, weight.t()) if bias is None else torch.matmul(x, weight.t()) + bias
+    out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _triton() -> Any:
     from . import triton_batch_invariant
 

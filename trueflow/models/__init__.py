@@ -138,7 +138,7 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
 # The families whose engine and train side the batch-invariant mode is tested on bitwise at real widths with a
 # failure side (tests/test_batch_invariant_parity.py); another family's `group:trueflow_batch_invariant` is refused.
 # SD3.5 is not among them: at micro-batches of one against a microgroup of 4 its first block's `to_add_out` differs.
-BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux")
+BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux", "sd3", "wan")
 
 
 def batch_invariant_group(name: str) -> str:

@@ -55,6 +55,9 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # The real SD3.5-Medium transformer (2.5B).
     "full": dict(_FULL),
+    # Its real widths in two blocks: a dual-attention joint block and the context pre-only last block (the
+    # batch-invariant tests' GEMM widths). Positions for images up to 256 px: the full 384² table alone is 0.9 GB.
+    "one_block": {**_FULL, "num_layers": 2, "dual_attention_layers": (0,), "pos_embed_max_size": 16},
 }
 
 

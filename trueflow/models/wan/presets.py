@@ -53,10 +53,13 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny_ti2v": {**_TI2V, **_TINY},
     "full": dict(_A14B),
     "full_ti2v": dict(_TI2V),
+    # TI2V-5B's real widths (24 x 128 heads, FFN 14336, UMT5's 4096-wide text) in one block: the batch-invariant
+    # tests' GEMM widths at a third of the A14B block's cost.
+    "one_block": {**_TI2V, "num_layers": 1},
 }
 # The pipeline layout each size is written in (checkpoint.py): the A14B's two experts and Wan2.1 VAE, or the TI2V-5B's
 # one transformer, Wan2.2 VAE and per-token timesteps.
-LAYOUT_OF_SIZE = {"tiny": "a14b", "tiny_ti2v": "ti2v", "full": "a14b", "full_ti2v": "ti2v"}
+LAYOUT_OF_SIZE = {"tiny": "a14b", "tiny_ti2v": "ti2v", "full": "a14b", "full_ti2v": "ti2v", "one_block": "ti2v"}
 
 
 def transformer_config(size: str) -> dict[str, Any]:
