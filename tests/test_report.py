@@ -79,6 +79,18 @@ def test_reward_plot_marks_steps_without_a_reward():
     assert any("no reward" in s for s in legend_labels(fig))
 
 
+def test_reward_plot_of_runs_side_by_side_labels_each():
+    fig = reward_figure({"synchronous": [record(1, reward=0.25), record(2, reward=0.5)],
+                         "--async-rollouts 1": [record(1, reward=0.1), record(2, reward=0.7), record(3, reward=0.9)]},
+                        "pickscore")
+    (ax,) = fig.axes
+    sync, async_ = (line for line in ax.get_lines() if line.get_label() in ("synchronous", "--async-rollouts 1"))
+    np.testing.assert_array_equal(sync.get_ydata(), [0.25, 0.5])
+    np.testing.assert_array_equal(async_.get_ydata(), [0.1, 0.7, 0.9])
+    assert {"synchronous", "--async-rollouts 1"} <= set(legend_labels(fig))
+    assert ax.get_xlim() == (0.5, 3.5)  # both runs' steps on one axis
+
+
 def test_timing_plot_is_in_seconds_per_phase():
     fig = timing_figure([record(1), record(2)])
     (ax,) = fig.axes

@@ -106,20 +106,26 @@ def _legend(fig: Figure, steps: np.ndarray) -> Figure:
     return fig
 
 
-def reward_figure(rows: list[dict], reward_name: str = "reward") -> Figure:
+def reward_figure(rows: list[dict] | dict[str, list[dict]], reward_name: str = "reward") -> Figure:
     """Mean reward per optimizer step with a ±1 std band; steps without any reward (every group skipped after a
-    reward failure: null in metrics.jsonl) are marked on the x axis instead of silently left out."""
-    steps, mean, std = _column(rows, "step"), _column(rows, "reward_mean"), _column(rows, "reward_std")
+    reward failure: null in metrics.jsonl) are marked on the x axis instead of silently left out. Given runs by
+    label (`{"synchronous": rows, ...}`), one line and band per run on the same axes."""
+    runs = rows if isinstance(rows, dict) else {"mean over the rollout's scored samples": rows}
     fig, ax = _figure(f"Reward ({reward_name}) per optimizer step", "reward (score of the reward function)")
-    ax.plot(steps, mean, "o-", ms=3, color="tab:blue", label="mean over the rollout's scored samples")
-    band = np.isfinite(mean) & np.isfinite(std)
-    if band.any():
-        ax.fill_between(steps, mean - std, mean + std, where=band, color="tab:blue", alpha=0.2, label="± 1 std")
-    missing = ~np.isfinite(mean)
-    if missing.any():
-        ax.plot(steps[missing], np.zeros(missing.sum()), "x", color="tab:red", ms=8, mew=2,
-                transform=ax.get_xaxis_transform(), clip_on=False, label="no reward (all samples skipped)")
-    return _legend(fig, steps)
+    all_steps = []
+    for (label, run), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
+        steps, mean, std = _column(run, "step"), _column(run, "reward_mean"), _column(run, "reward_std")
+        all_steps.append(steps)
+        ax.plot(steps, mean, "o-", ms=3, color=color, label=label)
+        band = np.isfinite(mean) & np.isfinite(std)
+        if band.any():
+            ax.fill_between(steps, mean - std, mean + std, where=band, color=color, alpha=0.2,
+                            label="± 1 std" + ("" if len(runs) == 1 else f" ({label})"))
+        missing = ~np.isfinite(mean)
+        if missing.any():
+            ax.plot(steps[missing], np.zeros(missing.sum()), "x", color="tab:red", ms=8, mew=2,
+                    transform=ax.get_xaxis_transform(), clip_on=False, label="no reward (all samples skipped)")
+    return _legend(fig, np.concatenate(all_steps))
 
 
 def parity_figure(rows: list[dict]) -> Figure:
