@@ -27,7 +27,8 @@ PROMPTS = "a red cube on a wooden table\na lighthouse at dusk\n"
 LEARN = ["--num-rollouts", "60", "--n-samples-per-prompt", "8", "--rollout-microgroup-size", "8",
          "--micro-batch-size-sample", "8", "--num-sde-steps", "6", "--lr", "1e-2"]
 PICKSCORE = ["--reward", "pickscore", "--reward-model", "{tiny_clip}"]
-# One thread for each of the two processes: two threads each on 2 cores oversubscribe them (measured: ~17 s a rollout against ~1 s).
+# One thread for each of the two processes: two threads each oversubscribe 2 cores (measured: ~17 s a rollout,
+# against ~1 s).
 ENGINE_PROCESS = ["--engine-process", "--threads", "1", "--sample-every", "0", *PICKSCORE]
 # docs/images/<name>.png: the runs of docs/training.md that it plots, by legend label (their flags beyond LEARN;
 # one unlabelled run plots as the run report does), and the reward's name.

@@ -339,7 +339,7 @@ def test_ltx2_microgroup_of_two_prompts_against_micro_batches_of_one(ltx, bi_mod
     assert_differs(*stock(probe, engines, rollout, train), "stock")
 
 
-# -- FLUX.1, SD3.5 and Wan2.2 at one block ------------------------------------------------------------------------------
+# -- FLUX.1, SD3.5 and Wan2.2 at one block -----------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
 def test_microgroup_against_micro_batches_of_one(family, bi_mode):
     """Each family's `one_block` preset at its real GEMM widths (FLUX.1: a double- and a single-stream block, T5's
