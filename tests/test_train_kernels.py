@@ -296,8 +296,8 @@ def test_gradcheck_float64():
 
 
 # -- the model ---------------------------------------------------------------------------------------------------------
-def tiny_model(lora: bool = True) -> nn.Module:
-    model = build_transformer(transformer_config("tiny"), seed=0, dtype=BF16)
+def tiny_model(lora: bool = True, **config) -> nn.Module:
+    model = build_transformer({**transformer_config("tiny"), **config}, seed=0, dtype=BF16)
     if lora:
         add_lora(model, LoraSpec(rank=4, target_modules=FAMILY.train.lora_targets), b_init_std=0.02, seed=1)
     for name, p in model.named_parameters():
@@ -399,6 +399,22 @@ def test_the_tp_matched_and_the_batch_invariant_train_sides_take_them(models):
         assert_bitwise(forward(fused, 2, 64, 7, backend=BACKEND), expect, "fused vs stock, batch-invariant")
     assert all(getattr(m, "processor", None) is None or m.processor._attention_backend == BACKEND
                for m in fused.modules() if hasattr(m, "set_processor"))
+
+
+def test_zero_cond_t_keeps_diffusers_ops_where_its_modulation_is_per_token():
+    """Qwen-Image-Edit-2511's `zero_cond_t` (which the engine refuses) picks one of two modulations per image token:
+    there `_modulate` and the gated residual run diffusers' own ops; the text stream and q/k still take the
+    Functions. The forward stays stock's bits."""
+    stock, fused = tiny_model(lora=False, zero_cond_t=True), tiny_model(lora=False, zero_cond_t=True)
+    T.install(fused)
+    i = FAMILY.probe_inputs(transformer_config("tiny"), 2, 3, 64, BF16, 0, "cpu")
+    # the Edit pipeline's image shapes: per sample the target's grid, then its condition images' (16 tokens)
+    shapes = [[(1, 2, 2), (1, 2, 4), (1, 2, 2)]] * 2
+    with torch.no_grad():
+        out = [m(hidden_states=i["hidden_states"], encoder_hidden_states=i["cond"]["encoder_hidden_states"],
+                 timestep=FAMILY.train.timestep(i["timestep"], BF16), img_shapes=shapes, return_dict=False)[0]
+               for m in (stock, fused)]
+    assert_bitwise(out[1], out[0], "zero_cond_t, fused vs stock")
 
 
 def test_what_it_cannot_serve_is_refused_in_one_line(models, monkeypatch):
