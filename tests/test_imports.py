@@ -30,9 +30,11 @@ DIFFUSERS_SIDE_FILES = {"trueflow/models/qwen_image/vae.py", "trueflow/models/qw
                         "trueflow/models/sd3/vae.py", "trueflow/models/sd3/schedule.py",
                         "trueflow/models/flux/vae.py", "trueflow/models/flux/schedule.py",
                         "trueflow/models/wan/vae.py"}
-# A family's train side in its folder: diffusers' reference model built from a preset, and the checkpoint writer.
-# The engine never imports them (the closure test), only the family spec's functions do, when called.
+# A family's train side in its folder: diffusers' reference model built from a preset, the checkpoint writer, and
+# Qwen-Image's train kernels (installed under diffusers' model). The engine never imports them (the closure test),
+# only the family spec's functions do, when called.
 TRAIN_SIDE_FILES = {"trueflow/models/qwen_image/presets.py", "trueflow/models/qwen_image/checkpoint.py",
+                    "trueflow/models/qwen_image/train_kernels.py",
                     "trueflow/models/ltx2/presets.py", "trueflow/models/ltx2/checkpoint.py",
                     "trueflow/models/sd3/presets.py", "trueflow/models/sd3/checkpoint.py",
                     "trueflow/models/flux/presets.py", "trueflow/models/flux/checkpoint.py",

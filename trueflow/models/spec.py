@@ -183,6 +183,9 @@ class TrainSide:
     timestep: Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # schedule t (fp32) -> what the pipeline passes
     forward: Callable[..., torch.Tensor]  # (model, hidden_states, timestep(t), grid, cond, **static) -> prediction
     module: str = "diffusers"  # where `transformer_class` is found (a family written outside diffusers names its own)
+    # `--train-kernels fused`: (built model) -> what it swapped; installs the engine's eager-exact fused kernels as
+    # autograd Functions underneath the diffusers model, its forward's bits unchanged. None: the family has none.
+    fused_kernels: Callable[[Any], list[str]] | None = None
 
     def model_class(self) -> type:
         """The diffusers model class (imported on call: the engine never needs it)."""

@@ -81,6 +81,10 @@ class TrainConfig(BaseModel):
                                         min_length=1)
     gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
                                              "forward's values, hence parity, are unchanged)", "model")
+    train_kernels: Literal["stock", "fused"] = _f("stock", "fused: the train forward runs the engine's eager-exact "
+                                                           "fused kernels (CUDA, bf16) as autograd Functions under "
+                                                           "diffusers' model, its bits unchanged (parity too) with "
+                                                           "fewer kernels; Qwen-Image (docs/training.md)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
                                                   "one the family's patch group pairs with)", "model")
     batch_invariant: bool = _f(False, "batch-invariant parity mode: batch-invariant GEMMs and per-sample attention "
@@ -276,6 +280,12 @@ class TrainConfig(BaseModel):
         if self.batch_invariant and self.fsdp_attention_backend not in (None, _batch_invariant_backend()):
             errors.append(f"--batch-invariant runs the train side's {_batch_invariant_backend()} attention backend: "
                           f"drop --fsdp-attention-backend {self.fsdp_attention_backend}")
+        if self.train_kernels == "fused" and self.model_family().train.fused_kernels is None:
+            errors.append(f"--train-kernels fused: the {self.model_family().name} family has no train kernels "
+                          "(Qwen-Image has); use --train-kernels stock")
+        if self.train_kernels == "fused" and self.dtype != "bf16":
+            errors.append(f"--train-kernels fused replays diffusers' bf16 roundings: use --dtype bf16 (not "
+                          f"{self.dtype}) or --train-kernels stock")
         if self.num_sde_steps is not None and self.num_sde_steps > self.steps:
             errors.append(f"--num-sde-steps {self.num_sde_steps} must be in 1..--steps ({self.steps})")
         if self.sde_window is not None:

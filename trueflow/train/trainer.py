@@ -94,6 +94,10 @@ class Trainer:
             self.models = {e: full.build_full_policy(self.family, cfg.checkpoint, e in self.trained, self.dtype,
                                                      ctx.device, cfg.gradient_checkpointing, subfolder=e)
                            for e in self.experts}
+        if cfg.train_kernels == "fused":  # before TP matching, which wraps the fused attention processors
+            from .fused import use_fused_kernels
+
+            use_fused_kernels(self.family, self.models.values(), ctx.device)
         if cfg.train_tp_match:  # each sharded layer as the engine's tensor-parallel ranks compute it
             from ..parallel.engine import tp_plan
             from ..parallel.train_match import match_tp

@@ -108,6 +108,7 @@ FAMILY = ModelFamily(
         masked_backend="native",
         timestep=model_timestep,
         forward=train_forward,
+        fused_kernels=lazy(f"{__package__}.train_kernels", "install"),
     ),
     presets=Presets(
         transformer_config=lazy(f"{__package__}.presets", "transformer_config"),

@@ -41,10 +41,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 # -- adaLN modulation (bf16 semantics: every elementwise op rounds) ----------------------------------------
+def scale_shift_reference(xn, shift, scale) -> torch.Tensor:
+    """diffusers' `QwenImageTransformerBlock._modulate`: `xn * (1 + scale) + shift`, each op rounded."""
+    return xn * (1 + scale[:, None]) + shift[:, None]
+
+
 def layer_norm_scale_shift_reference(x, shift, scale, eps: float) -> torch.Tensor:
     """nn.LayerNorm(elementwise_affine=False) on the bf16 input (fp32 inside, one rounding out), then
     `(1 + scale)`, `·`, `+ shift`, each rounded."""
-    return F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+    return scale_shift_reference(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
 
 
 def scale_residual_layer_norm_scale_shift_reference(residual, y, gate, shift, scale, eps: float):
@@ -111,11 +116,16 @@ def rms_norm_exact(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return rms_norm_reference(x, weight, eps)
 
 
+def scale_shift_exact(xn, shift, scale) -> torch.Tensor:
+    """The modulation's three roundings in one kernel."""
+    if _exact_kernels(xn, shift, scale):
+        return kernels.ops().scale_shift_eager_bf16(xn, shift, scale)
+    return scale_shift_reference(xn, shift, scale)
+
+
 def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
-    """PyTorch's LayerNorm itself (a reduction), then the modulation's three roundings in one kernel."""
-    if _exact_kernels(x, shift, scale):
-        return kernels.ops().scale_shift_eager_bf16(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
-    return layer_norm_scale_shift_reference(x, shift, scale, eps)
+    """PyTorch's LayerNorm itself (a reduction), then the modulation (`scale_shift_exact`)."""
+    return scale_shift_exact(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
 
 
 def gated_residual_exact(y, gate, residual) -> torch.Tensor:
