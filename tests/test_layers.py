@@ -362,7 +362,7 @@ def test_triton_for_the_row_layouts_the_kernels_take(monkeypatch):
     x, y = randn((B, S, 64), 50), randn((B, S, 64), 51)
     shift, scale, gate = randn((B, 3 * 64), 52).chunk(3, dim=-1)
     for layout in (lambda t: t, lambda t: t[:, None], lambda t: t[:, None].expand(B, S, 64)):
-        for name, call in modulation_calls(layout(shift), layout(scale), layout(gate), x, y).items():
+        for call in modulation_calls(layout(shift), layout(scale), layout(gate), x, y).values():
             with pytest.raises(RuntimeError, match="Triton kernel was reached"):
                 call()
     four_d = (t[:, None, None] for t in (shift, scale, gate))  # x [B, 3, 3, D]: not a layout the kernels take
