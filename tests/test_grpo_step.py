@@ -72,9 +72,23 @@ def test_smoke_run(tmp_path):
     assert "0.305 images/GPU/s" in proc.stdout and "trueflow / baseline images/GPU/s" in proc.stdout
 
 
-def test_bad_arguments_are_one_line_errors(tmp_path):
-    for args, needle in ((("--rollouts", "1"), "--rollouts 1"), (("--resolution", "100"), "multiple of 16")):
-        proc, result = run(tmp_path, *args)
-        assert proc.returncode == 2 and result is None, proc.stderr
-        assert needle in proc.stderr and "Traceback" not in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    """In this process (`main(argv)`, the script's own entry): exit 2, one line naming the fix, no JSON written."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import grpo_step
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    out = tmp_path / "grpo_step.json"
+    tiny = ("--size", "tiny")
+    cases = (((*tiny, "--rollouts", "1"), "--rollouts 1"), ((*tiny, "--resolution", "100"), "multiple of 16"),
+             ((*tiny, "--width", "96"), "--width and --num-frames are ltx2's"),
+             ((*tiny, "--family", "ltx2", "--num-frames", "8"), "8k + 1"),
+             ((*tiny, "--family", "ltx2", "--resolution", "80"), "--resolution 80: must be a positive multiple of 32"),
+             (("--size", "full", "--family", "ltx2", "--width", "512"),
+              "the full-size ltx2 recipe runs at 768x512, 33 frames"))
+    for args, needle in cases:
+        assert grpo_step.main(["--out", str(out), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
