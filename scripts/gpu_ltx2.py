@@ -105,7 +105,7 @@ def _peak() -> float:
 
 def parity(device: str, size: str, frames_list: list[int], height: int, width: int,
            ablate: bool) -> tuple[dict, bool]:
-    print(f"full-size LTX-2.3 (48 layers, 4096 video / 2048 audio), random weights, {width}x{height}, microgroup 4, "
+    print(f"{size} LTX-2.3 architecture, random weights, {width}x{height}, microgroup 4, "
           f"text 128, LoRA rank 64")
     t0 = time.time()
     probe = ParityProbe(ProbeSpec(random_size=size, family="ltx2", batch=4, text_len=128, resolution=64,

@@ -313,8 +313,11 @@ def qk_norm_across_heads_rope(x: torch.Tensor, weight: torch.Tensor, eps: float,
     B, S, H, D = x.shape
     out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device)
     rope = cos is not None and sin is not None
-    cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (out, out)  # (unread placeholders without RoPE)
-    t_sh, t_ss = _table_strides(cos, S, H, D // 2) if rope else (0, 0)
+    if cos is not None and sin is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        t_sh, t_ss = _table_strides(cos, S, H, D // 2)
+    else:
+        cos, sin, t_sh, t_ss = out, out, 0, 0  # unread placeholders without RoPE
     block_h, block_r = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
     _qk_norm_across_heads_kernel[(B * S,)](x, weight.contiguous(), cos, sin, out, S, H, D, x.stride(0), x.stride(1),
                                            x.stride(2), t_sh, t_ss, eps, ROPE=rope, SPLIT=split, BLOCK_H=block_h,
