@@ -20,7 +20,7 @@ Parts (`--parts`, default all three; each builds its own train side):
        engine_parity      the engine under `ltx` (its eager-exact kernels), CUDA graphs; bitwise diffusers_eager
        engine_fast        the engine without a group (fast kernels, packed GEMMs, merged LoRA), CUDA graphs
        engine_fast_cudnn  engine_fast with cuDNN attention preferred (an SDPA context its graphs capture)
-   then, since compiling changes the model in place, a second phase of rounds:
+   then, since compiling changes the model in place, a second phase of rounds (`--no-compile` leaves it out):
        diffusers_compile  diffusers with regional torch.compile (`compile_repeated_blocks(fullgraph=True)`),
                           interleaved with the engine rows again
    Columns: median and min-max ms, TFLOP/s (the forward's GEMM and attention FLOPs, counted by PyTorch's
@@ -236,7 +236,7 @@ def _phase(name: str, rows: dict[str, Callable[[], torch.Tensor]], cuda: bool, w
 
 
 def speed(device: str, size: str, batch: int, height: int, width: int, frames: int, warmup: int,
-          reps: int) -> tuple[dict, bool]:
+          reps: int, compile_phase: bool = True) -> tuple[dict, bool]:
     cuda = device.startswith("cuda")
     print(f"speed: {size} LTX-2.3, random weights, one forward of microgroup {batch} at {width}x{height}, {frames} "
           f"frames, text 128, LoRA rank 64; {reps} interleaved rounds after {warmup} warm-up(s)", flush=True)
@@ -274,7 +274,7 @@ def speed(device: str, size: str, batch: int, height: int, width: int, frames: i
     reference = outputs["diffusers_eager"].clone()
     del rows, outputs  # the whole-forward graph's pool goes before compiling
     gc.collect()
-    if cuda:
+    if cuda and compile_phase:
         torch.cuda.empty_cache()
         print("  phase 2 (diffusers compiled in place; its warm-up includes compilation):", flush=True)
         try:
@@ -334,6 +334,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="the speed part's microgroup")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-compile", action="store_true", help="speed: leave out the torch.compile phase")
     ap.add_argument("--size", default="full", help="the random architecture (tiny: a quick check of this script)")
     a = ap.parse_args()
     parts = [p for p in a.parts.split(",") if p]
@@ -353,7 +354,7 @@ def main() -> int:
             report["full"], ok_part = parity(a.device, a.size, frames, a.height, a.width, not a.no_ablate)
         else:
             report["speed"], ok_part = speed(a.device, a.size, a.batch, a.height, a.width, frames[-1], a.warmup,
-                                             a.reps)
+                                             a.reps, not a.no_compile)
         ok &= ok_part
         json.dump(report, open(a.out, "w"), indent=1)
         gc.collect()
