@@ -269,7 +269,9 @@ def test_qk_norm_across_heads_rope(impl, pairs, shape):
     B, S, H, D = shape
     x = randn((B, S, 3 * H * D + H), 11, std=2.0)[..., :H * D].unflatten(-1, (H, D))
     weight = randn((H * D,), 12, std=0.1, mean=1.0)
-    angles = randn((1, H, S, D // 2) if pairs == "split" else (S, D // 2), 13, std=3.0, dtype=torch.float32)
+    angles = randn((S, H, D // 2) if pairs == "split" else (S, D // 2), 13, std=3.0, dtype=torch.float32)
+    if pairs == "split":  # per head [1, H, S, D/2], a transposed view as LTX-2's tables are built (no copy)
+        angles = angles.transpose(0, 1).unsqueeze(0)
     cos, sin = (angles.cos(), angles.sin()) if pairs != "none" else (None, None)
     out = ops.qk_norm_across_heads_rope(x.to(dev), weight.to(dev), EPS, None if cos is None else cos.to(dev),
                                         None if sin is None else sin.to(dev), pairs == "split")

@@ -295,13 +295,16 @@ def _qk_norm_across_heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, H, 
     tl.store(o_row + c2, y2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _table_strides(t: torch.Tensor, S: int, H: int, R: int) -> tuple[int, int]:
-    """(head stride, token stride) of a contiguous rotation table: [S, R] (every head shares it) or [1, H, S, R]."""
-    if tuple(t.shape) == (S, R):
-        return 0, R
-    if tuple(t.shape) == (1, H, S, R):
-        return S * R, R
-    raise ValueError(f"rotation table {tuple(t.shape)} fits neither [{S}, {R}] nor [1, {H}, {S}, {R}]")
+def _tables(cos: torch.Tensor, sin: torch.Tensor, S: int, H: int,
+            R: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(cos, sin, head stride, token stride) of rotation tables [S, R] (every head shares them) or [1, H, S, R], read
+    where they lie (a transposed view, as the LTX-2 tables are built, costs no copy) if both have the same unit-last
+    strides, else from contiguous copies."""
+    if tuple(cos.shape) not in ((S, R), (1, H, S, R)) or cos.shape != sin.shape:
+        raise ValueError(f"rotation tables {tuple(cos.shape)} fit neither [{S}, {R}] nor [1, {H}, {S}, {R}]")
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return (cos, sin, 0, cos.stride(0)) if cos.dim() == 2 else (cos, sin, cos.stride(1), cos.stride(2))
 
 
 def qk_norm_across_heads_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
@@ -314,8 +317,7 @@ def qk_norm_across_heads_rope(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device)
     rope = cos is not None and sin is not None
     if cos is not None and sin is not None:
-        cos, sin = cos.contiguous(), sin.contiguous()
-        t_sh, t_ss = _table_strides(cos, S, H, D // 2)
+        cos, sin, t_sh, t_ss = _tables(cos, sin, S, H, D // 2)
     else:
         cos, sin, t_sh, t_ss = out, out, 0, 0  # unread placeholders without RoPE
     block_h, block_r = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
@@ -560,8 +562,7 @@ def split_rope_eager_bf16(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     D = HD // H
     y = _last_dim_unit(y)
     out = torch.empty((B, S, HD), dtype=y.dtype, device=y.device)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    t_sh, t_ss = _table_strides(cos, S, H, D // 2)
+    cos, sin, t_sh, t_ss = _tables(cos, sin, S, H, D // 2)
     block_h, block_r = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
     _split_rope_eager_kernel[(B * S,)](y, cos, sin, out, S, H, D, y.stride(0), y.stride(1), t_sh, t_ss, FMA=fma,
                                        BLOCK_H=block_h, BLOCK_R=block_r, num_warps=_num_warps(2 * block_h * block_r),
