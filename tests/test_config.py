@@ -139,3 +139,16 @@ def test_python_keeps_flat_fields():
         TrainConfig(lr="fast")
     with pytest.raises(ValueError, match="steps"):
         cfg.steps = 0  # assignments are checked too
+
+
+def test_height_and_width_override_the_square_side():
+    """`--height`/`--width` (as `generate` takes them) win over `--resolution`; each side is checked against the
+    family's granule, and the grid they make against the frame count."""
+    assert TrainConfig(resolution=64).frame_size() == (64, 64)
+    cfg = config_from_argv(["--family", "ltx2", "--resolution", "512", "--width", "768", "--num-frames", "33"])
+    assert cfg.frame_size() == (512, 768) and cfg.combination_errors() == []
+    assert TrainConfig(family="ltx2", resolution=64, height=96).frame_size() == (96, 64)
+    with pytest.raises(ValueError, match=r"--width 80 must be a multiple of 32 \(VAE spatial factor 32"):
+        TrainConfig(family="ltx2", width=80)
+    with pytest.raises(ValueError, match="--num-frames 8: "):
+        TrainConfig(family="ltx2", width=96, num_frames=8)

@@ -1,5 +1,5 @@
 """The fast ops (Triton kernels and their PyTorch fallbacks) against a float64 reference; and the eager-exact kernels
-of the `qwen_image` patch group against the diffusers op sequences they replace, bitwise (second half).
+of the `qwen_image` and `ltx` patch groups against the diffusers op sequences they replace, bitwise (second half).
 
 Both compute in fp32 and round once per output, so every output must lie within half a bf16 ulp of the exact
 (float64) value, plus an fp32-sized slack: `|out - ref| <= ulp(ref)/2 + 1e-5·(1 + |ref|)`. A double rounding (the
@@ -25,13 +25,17 @@ import torch
 from conftest import BF16, EPS, assert_bitwise, assert_differs, randn
 from trueflow import kernels
 from trueflow.layers.modulation import (
+    attention_gate_fused,
     gated_residual_fused,
     layer_norm_scale_shift_fused,
+    rms_norm_scale_shift_fused,
     scale_residual_layer_norm_scale_shift_fused,
     scale_shift_fused,
 )
 from trueflow.layers.norms import rms_norm_fused
-from trueflow.layers.rope import RopeTables, qk_norm_rope_fused, rope_tables_fused
+from trueflow.layers.rope import RopeTables, qk_norm_across_heads_rope_fused, qk_norm_rope_fused, rope_tables_fused
+from trueflow.models.ltx2 import patches as LTX
+from trueflow.models.ltx2.transformer import LTX2Config
 from trueflow.models.qwen_image import patches as P
 from trueflow.models.qwen_image.transformer import rope_positions
 
@@ -54,6 +58,14 @@ class Fallback:
     layer_norm_scale_shift = staticmethod(layer_norm_scale_shift_fused)
     scale_residual_layer_norm_scale_shift = staticmethod(scale_residual_layer_norm_scale_shift_fused)
     rms_norm = staticmethod(rms_norm_fused)
+    rms_norm_scale_shift = staticmethod(rms_norm_scale_shift_fused)
+    scale_shift = staticmethod(scale_shift_fused)
+    attention_gate = staticmethod(attention_gate_fused)
+
+    @staticmethod
+    def qk_norm_across_heads_rope(x, weight, eps, cos, sin, split):
+        tables = None if cos is None else RopeTables(cos=cos, sin=sin, pairs="split" if split else "interleaved")
+        return qk_norm_across_heads_rope_fused(x.flatten(2), weight, eps, x.shape[2], tables)
 
     @staticmethod
     def mul_add(a, b, c, k):
@@ -204,6 +216,82 @@ def test_qk_norm_rope(impl, shape):
     assert into.data_ptr() == buf[:, 3:].data_ptr() and torch.equal(buf[:, 3:], out) and (buf[:, :3] == 0).all()
 
 
+# -- LTX-2.3's fast ops: rows [B, 1, D] and per token [B, S, D], the weightless RMSNorm, qk-norm across heads, gate ----
+ROW_LAYOUTS = ["per_sample", "per_token"]
+
+
+def rows_of(layout: str, B: int, S: int, D: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """(shift, scale, gate) [B, 1, D] (`get_mod_params` of one timestep a sample) or [B, S, D] (a timestep per token),
+    row-strided chunks of one tensor as the model makes them."""
+    return randn((B, 1 if layout == "per_sample" else S, 3 * D), seed, std=0.5).chunk(3, dim=-1)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("layout", ROW_LAYOUTS)
+def test_row_layouts(impl, layout):
+    """Every row kernel with [B, 1, D] and [B, S, D] rows; the weightless RMSNorm + modulation and the bare
+    modulation (LTX-2.3's norms and its text k/v modulation)."""
+    ops, dev, ulps = impl
+    B, S, D = 2, 5, 200
+    x, y = randn((B, S, D), 1, std=2.0, mean=0.5), randn((B, S, D), 2)
+    shift, scale, gate = rows_of(layout, B, S, D, 3)
+    X, Y, sh, sc, g = (t.to(F64) for t in (x, y, shift, scale, gate))
+    x, y, shift, scale, gate = (t.to(dev) for t in (x, y, shift, scale, gate))
+    assert_one_rounding(ops.layer_norm_scale_shift(x, shift, scale, EPS), ln64(X) * (1 + sc) + sh, "ln", ulps)
+    r, out = ops.scale_residual_layer_norm_scale_shift(x, y, gate, shift, scale, EPS)
+    assert_one_rounding(r, X + g * Y, "residual", ulps)
+    assert_one_rounding(out, ln64(X + g * Y) * (1 + sc) + sh, "normed residual", ulps)
+    assert_one_rounding(ops.mul_add(y, gate, x, 0.0), X + Y * g, "gated residual", ulps)
+    assert_one_rounding(ops.rms_norm_scale_shift(x, shift, scale, EPS), rms64(X) * (1 + sc) + sh, "rms", ulps)
+    assert_one_rounding(ops.scale_shift(x, shift, scale), X * (1 + sc) + sh, "scale_shift", ulps)
+
+
+def rotate64(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: bool) -> torch.Tensor:
+    """y [B, S, H, D] float64 rotated by tables [S, D/2] or [1, H, S, D/2]: split halves or interleaved pairs."""
+    c, s = ((t.to(F64)[:, None, :] if t.dim() == 2 else t.to(F64)[0].transpose(0, 1)) for t in (cos, sin))
+    if split:
+        a, b = y.chunk(2, dim=-1)
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    even, odd = y[..., 0::2], y[..., 1::2]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+
+
+# (pairing, [B, S, H, D]): LTX-2.3's split halves with per-head tables at its head width; Wan's interleaved pairs with
+# one shared table at an odd head count and width; the text attention's norm alone.
+QK_ACROSS = [("split", (1, 6, 2, 128)), ("interleaved", (2, 5, 3, 48)), ("none", (1, 3, 4, 32))]
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("pairs,shape", QK_ACROSS, ids=[p for p, _ in QK_ACROSS])
+def test_qk_norm_across_heads_rope(impl, pairs, shape):
+    """q as the packed q/k/v/gate GEMM gives it (a strided slice), normed over all heads, then rotated."""
+    ops, dev, ulps = impl
+    B, S, H, D = shape
+    x = randn((B, S, 3 * H * D + H), 11, std=2.0)[..., :H * D].unflatten(-1, (H, D))
+    weight = randn((H * D,), 12, std=0.1, mean=1.0)
+    angles = randn((S, H, D // 2) if pairs == "split" else (S, D // 2), 13, std=3.0, dtype=torch.float32)
+    if pairs == "split":  # per head [1, H, S, D/2], a transposed view as LTX-2's tables are built (no copy)
+        angles = angles.transpose(0, 1).unsqueeze(0)
+    cos, sin = (angles.cos(), angles.sin()) if pairs != "none" else (None, None)
+    out = ops.qk_norm_across_heads_rope(x.to(dev), weight.to(dev), EPS, None if cos is None else cos.to(dev),
+                                        None if sin is None else sin.to(dev), pairs == "split")
+    assert out.is_contiguous() and out.shape == (B, S, H, D)
+    y = (rms64(x.flatten(2).to(F64)) * weight.to(F64)).unflatten(-1, (H, D))
+    assert_one_rounding(out, y if cos is None else rotate64(y, cos, sin, pairs == "split"), "qk across heads", ulps)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_attention_gate(impl):
+    """SDPA's output permuted back to [B, S, H, D], the logits a slice of the packed q/gate GEMM."""
+    ops, dev, ulps = impl
+    B, S, H, D = 2, 5, 3, 32
+    out = randn((B, H, S, D), 14, std=2.0).permute(0, 2, 1, 3)
+    logits = randn((B, S, H * D + H), 15, std=2.0)[..., H * D:]
+    gated = ops.attention_gate(out.to(dev), logits.to(dev))
+    gate64 = 2 * torch.sigmoid(logits.to(F64))
+    assert_one_rounding(gated, out.to(F64) * gate64[..., None], "attention gate", ulps)
+
+
 def test_double_rounding_breaks_the_bound():
     """Negative control: the patch group's bf16 arithmetic (each op rounded) is outside the one-rounding bound."""
     x = randn((2, 37, 3072), 1, std=2.0, mean=0.5)
@@ -222,6 +310,9 @@ def test_layers_dispatch_to_kernels_interpreter(monkeypatch):
     shift, scale, gate = modulation(2, 64, 4)
     q = randn((2, 5, 2, 32), 5)
     tables = rope_tables_fused(rope_positions(1, 5, 0)[0], (8, 12, 12), 10000, "cpu")
+    split = RopeTables(cos=tables.cos[None, None].expand(1, 2, 5, 16).contiguous(),
+                       sin=tables.sin[None, None].expand(1, 2, 5, 16).contiguous(), pairs="split")
+    rows, logits = modulation(2, 64, 6)[0][:, None], randn((2, 5, 2), 7)
     ops = kernels.ops()
     calls = {  # fast layer function -> (its arguments, the kernel's output)
         layer_norm_scale_shift_fused: ((x, shift, scale, EPS), ops.layer_norm_scale_shift(x, shift, scale, EPS)),
@@ -230,6 +321,11 @@ def test_layers_dispatch_to_kernels_interpreter(monkeypatch):
         gated_residual_fused: ((x, gate, y), ops.mul_add(x, gate, y, 0.0)),
         rms_norm_fused: ((x, w, EPS), ops.rms_norm(x, w, EPS)),
         qk_norm_rope_fused: ((q, w[:32], EPS, tables), ops.qk_norm_rope(q, w[:32], EPS, tables.cos, tables.sin)),
+        rms_norm_scale_shift_fused: ((x, rows, shift, EPS), ops.rms_norm_scale_shift(x, rows, shift, EPS)),
+        scale_shift_fused: ((x, rows, shift), ops.scale_shift(x, rows, shift)),
+        attention_gate_fused: ((q, logits), ops.attention_gate(q, logits)),
+        qk_norm_across_heads_rope_fused: ((q.flatten(2), w, EPS, 2, split),
+                                          ops.qk_norm_across_heads_rope(q, w, EPS, split.cos, split.sin, True)),
     }
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     for fused, (args, expect) in calls.items():
@@ -453,3 +549,74 @@ def test_qk_norm_rope_cuda_variant_interpreter():
     assert differs[..., 0].any() and differs[..., 1].any(), "the sample must tell the two roundings apart"
     got = kernels.ops().rms_norm_eager_bf16(x, w, EPS, tables.freqs, complex_fma=True)
     assert_bitwise(got, formula, "CUDA variant vs the CUDA formula")
+
+
+# -- the `ltx` group's eager-exact kernels against diffusers' LTX-2.3 op sequences (LTX2VideoTransformerBlock.forward,
+# LTX2AudioVideoAttnProcessor, apply_split_rotary_emb), bitwise --------------------------------------------------------
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+@pytest.mark.parametrize("layout", ROW_LAYOUTS)
+def test_ltx_modulation_exact(exact, layout):
+    """The block's weightless RMSNorm + modulation, the text's k/v modulation, the gated residual and the output
+    LayerNorm + modulation, with rows [B, 1, D] (one timestep a sample) and [B, S, D] (one a token)."""
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+
+    dev, (B, S, D) = exact, (2, 5, 1024)
+    x, y = randn((B, S, D), 1, std=2.0, mean=0.5).to(dev), randn((B, S, D), 2).to(dev)
+    shift, scale, gate = (t.to(dev) for t in rows_of(layout, B, S, D, 3))
+    with torch.no_grad():
+        normed = DiffusersRMSNorm(D, eps=EPS, elementwise_affine=False)(x)  # the block's norm1/norm2/norm3
+        layer_normed = torch.nn.LayerNorm(D, eps=1e-6, elementwise_affine=False)(x)  # the output norm_out
+    cases = {  # what: (the group's exact function's output, diffusers' expression, the fast op's output)
+        "rms_norm_scale_shift": (LTX.rms_norm_scale_shift_exact(x, shift, scale, EPS), normed * (1 + scale) + shift,
+                                 rms_norm_scale_shift_fused(x, shift, scale, EPS)),
+        "text_kv_modulation": (LTX.scale_shift_exact(x, shift, scale), x * (1 + scale) + shift,
+                               scale_shift_fused(x, shift, scale)),
+        "gated_residual": (LTX.gated_residual_exact(y, gate, x), x + y * gate, gated_residual_fused(y, gate, x)),
+        "layer_norm_scale_shift": (LTX.layer_norm_scale_shift_exact(x, shift, scale, 1e-6),
+                                   layer_normed * (1 + scale) + shift,
+                                   layer_norm_scale_shift_fused(x, shift, scale, 1e-6)),
+    }
+    for what, (got, ref, once) in cases.items():
+        assert_bitwise(got, ref, what)
+        failure_side(once, ref, f"once-rounded {what}")
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+def test_ltx_qk_norm_rope_exact(exact):
+    """`torch.nn.RMSNorm(H·D)` then the split RoPE with the group's (diffusers-built) per-head tables, at the real
+    head width (2 x 128); the text attention's norm alone."""
+    from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+
+    dev, (B, grid, H, D) = exact, (2, (2, 2, 3), 2, 128)
+    S = grid[0] * grid[1] * grid[2]
+    x = randn((B, S, H * D), 50, std=3.0).to(dev)
+    norm = torch.nn.RMSNorm(H * D, eps=EPS).to(BF16).to(dev)  # LTX2Attention's norm_q / norm_k
+    with torch.no_grad():
+        norm.weight.copy_(randn((H * D,), 51, std=0.3, mean=1.0))
+        normed = norm(x)
+    w = norm.weight.detach()
+    tables = LTX.rope_tables_reference(LTX2Config(num_attention_heads=H, attention_head_dim=D), grid, 24.0, dev)
+    ref = apply_split_rotary_emb(normed, tuple(t.expand(B, -1, -1, -1) for t in (tables.cos, tables.sin)))
+    assert LTX.split_rope_fma(x.device) is not None
+    assert_bitwise(LTX.qk_norm_rope_exact(x, w, EPS, H, tables), ref.unflatten(-1, (H, D)), "qk_norm_rope_exact")
+    assert_bitwise(LTX.qk_norm_rope_exact(x, w, EPS, H, None), normed.unflatten(-1, (H, D)), "norm alone")
+    failure_side(qk_norm_across_heads_rope_fused(x, w, EPS, H, tables), ref.unflatten(-1, (H, D)),
+                 "once-rounded qk_norm_rope")
+
+
+@pytest.mark.parametrize("exact", EXACT_IMPLS, indirect=True)
+def test_split_rope_fma_sample_decides(exact):
+    """The sample `split_rope_fma` decides on: in head 0's first half and head 1's second, `1 + q·3` with the product
+    fused into the sum is bf16 1 + 2^-7, with the product rounded first 1.0; every other entry is 3.0 either way.
+    diffusers' split RoPE on the device is one of the two, and `split_rope_fma` names which."""
+    from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+
+    y, tables = LTX.split_rope_fma_sample(exact)
+    fused, rounded = (kernels.ops().split_rope_eager_bf16(y, tables.cos, tables.sin, fma) for fma in (True, False))
+    first = torch.zeros(256, dtype=torch.bool)
+    first[:64] = first[192:] = True  # the two halves that tell them apart
+    assert (fused[0, 0, first] == 1 + 2**-7).all() and (rounded[0, 0, first] == 1).all()
+    assert (fused[0, 0, ~first] == 3).all() and (rounded[0, 0, ~first] == 3).all()
+    ref = apply_split_rotary_emb(y, (tables.cos, tables.sin))
+    assert torch.equal(ref, fused) or torch.equal(ref, rounded), "neither rounding is the device's"
+    assert LTX.split_rope_fma(y.device) is torch.equal(ref, fused)

@@ -350,9 +350,10 @@ def test_modulation_rows_broadcast_as_b_d_or_b_t_d():
         M.rms_norm_scale_shift_fused(x, shift, None, EPS)
 
 
-def test_triton_only_for_b_d_rows(monkeypatch):
-    """On CUDA the modulation ops run the Triton kernels for [B, D] rows (Qwen-Image's: the layout the kernels take)
-    and the PyTorch code for [B, T, D] rows (LTX-2.3's)."""
+def test_triton_for_the_row_layouts_the_kernels_take(monkeypatch):
+    """On CUDA every modulation op runs its Triton kernel for [B, D] rows (Qwen-Image's), [B, 1, D] rows (LTX-2.3's)
+    and per-token [B, S, D] rows: the layouts the kernels take; anything else (a 4-d input, the bare norm) runs the
+    PyTorch code."""
     def no_kernels():
         raise RuntimeError("a Triton kernel was reached")
 
@@ -360,12 +361,11 @@ def test_triton_only_for_b_d_rows(monkeypatch):
     monkeypatch.setattr(kernels, "ops", no_kernels)
     x, y = randn((B, S, 64), 50), randn((B, S, 64), 51)
     shift, scale, gate = randn((B, 3 * 64), 52).chunk(3, dim=-1)
-    triton_ops = {"layer_norm_scale_shift", "scale_residual_layer_norm_scale_shift", "gated_residual"}
-    for name, call in modulation_calls(shift, scale, gate, x, y).items():
-        if name in triton_ops:
+    for layout in (lambda t: t, lambda t: t[:, None], lambda t: t[:, None].expand(B, S, 64)):
+        for call in modulation_calls(layout(shift), layout(scale), layout(gate), x, y).values():
             with pytest.raises(RuntimeError, match="Triton kernel was reached"):
                 call()
-        else:
-            call()
-    for call in modulation_calls(shift[:, None], scale[:, None], gate[:, None], x, y).values():
+    four_d = (t[:, None, None] for t in (shift, scale, gate))  # x [B, 3, 3, D]: not a layout the kernels take
+    for call in modulation_calls(*four_d, x.unflatten(1, (3, 3)), y.unflatten(1, (3, 3))).values():
         call()  # no kernel reached
+    M.rms_norm_scale_shift_fused(x, None, None, EPS)  # the bare norm: no kernel reached

@@ -27,6 +27,7 @@ from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from conftest import BF16, EPS, assert_bitwise, assert_differs, randn
+from trueflow import kernels
 from trueflow.layers import modulation as M
 from trueflow.layers.attention import attention
 from trueflow.layers.rope import RopeTables, qk_norm_across_heads_rope_fused
@@ -385,3 +386,36 @@ def test_config_refuses_unimplemented_variants():
         model(**{**inp, "grid": (1, 2, 3)})
     with pytest.raises(TypeError, match="video_coords"):
         model(**inp, video_coords=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_graphs_replay_the_group_bitwise_on_cuda():
+    """One block at the real width (32 heads x 128, 4096 wide) on CUDA, LoRA 8: the `ltx` group's engine (its
+    eager-exact kernels) is diffusers' bits eagerly and replayed from a captured CUDA graph (the warm-up finds the
+    split RoPE's rounding, the capture replays it); an unmerged LoRA update keeps the graph and the bits; the fast
+    engine (its Triton kernels) replays its own eager bits and differs from diffusers."""
+    from trueflow.engine.cuda_graph import GraphedForward
+    from trueflow.parity.probe import ParityProbe, ProbeSpec
+
+    probe = ParityProbe(ProbeSpec(random_size="one_block", family="ltx2", batch=2, text_len=16, resolution=256,
+                                  lora_rank=8, device="cuda", layer_report="none"))
+    i = probe.inputs
+
+    def call(forward) -> torch.Tensor:
+        with torch.no_grad():
+            return forward(hidden_states=i["hidden_states"], timestep=i["timestep"], grid=i["grid"], **i["cond"])
+
+    engine = probe.build_engine("ltx")
+    graphed = GraphedForward(engine)
+    assert_bitwise(call(engine), probe.train_output, "eager, group ltx")
+    for replay in range(2):
+        assert_bitwise(call(graphed), probe.train_output, f"replay {replay}")
+    assert graphed.captures == 1 and P.split_rope_fma(i["hidden_states"].device) is not None
+    probe.step_lora(engine, seed=3)
+    assert_bitwise(call(graphed), probe.train_output, "replay after a LoRA update")
+    assert graphed.captures == 1 and graphed.invalidations == 0
+    fast = GraphedForward(probe.build_engine("none"))
+    assert_bitwise(call(fast), call(fast.model), "fast replay vs eager")
+    assert fast.captures == 1
+    assert_differs(call(fast), probe.train_output, "fast vs diffusers")

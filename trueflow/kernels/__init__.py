@@ -2,8 +2,9 @@
 
 A layer runs the Triton kernel when its input is on CUDA and triton is installed (`pip install trueflow[kernels]`;
 GPU images ship it with torch), else the PyTorch fp32 fallback beside it in `trueflow.layers`; both compute in fp32
-and round once per output. The `qwen_image` patch group replaces the whole `impl`, so parity mode never runs
-these. `TRUEFLOW_TRITON=0` (or `kernels.ENABLED = False` before a forward) switches them off.
+and round once per output. A patch group replaces the whole `impl`, so parity mode never runs these; some groups
+run the eager-exact kernels of the same file instead (`use_eager_exact`). `TRUEFLOW_TRITON=0` (or
+`kernels.ENABLED = False` before a forward) switches both off.
 """
 
 from __future__ import annotations
@@ -27,3 +28,10 @@ def use_triton(x: torch.Tensor) -> bool:
 def ops() -> ModuleType:
     """The Triton kernels' launch functions (`triton_ops`), imported on first use so CPU runs never compile them."""
     return importlib.import_module(".triton_ops", __name__)
+
+
+def use_eager_exact(*tensors: torch.Tensor) -> bool:
+    """Whether a patch group's eager-exact kernels (`triton_ops.*_eager_bf16`) run on these tensors: Triton on CUDA
+    (`use_triton` of the first) and bf16 throughout (the kernels round to bf16; any other dtype takes the family's
+    reference)."""
+    return use_triton(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)

@@ -1,11 +1,10 @@
 """adaLN modulation and gates: LayerNorm or RMSNorm + scale/shift, the bare scale/shift, the gated residual (alone
 and fused with the next norm), and the per-head attention gate.
 
-The fast kernels compute in fp32 and round once per output (Triton kernels on CUDA, `trueflow.kernels`, where the
-modulation rows are [B, D]; the PyTorch code here elsewhere); a family's reference (diffusers in bf16 without
-autocast) rounds after every elementwise op. Modulation rows (shift, scale, gate) arrive as [B, D] (one row per
-sample: Qwen-Image, SD3, FLUX) or [B, T, D] (T = 1 or every token: LTX-2.3, Wan's [B, 6, D] tables chunked) and
-broadcast over the tokens (`rows`).
+The fast kernels compute in fp32 and round once per output (Triton kernels on CUDA, `trueflow.kernels`; the PyTorch
+code here elsewhere); a family's reference (diffusers in bf16 without autocast) rounds after every elementwise op.
+Modulation rows (shift, scale, gate) arrive as [B, D] (one row per sample: Qwen-Image, SD3, FLUX, Wan) or [B, T, D]
+(T = 1 or every token: LTX-2.3) and broadcast over the tokens (`rows`); the kernels take both.
 
 The gated residual is one block for every family: Qwen-Image's `c + gate·y` and LTX-2.3's `residual + y·gate` are
 the same arithmetic, the product then the sum (two roundings in eager bf16, one in the fused op; the product
@@ -28,9 +27,14 @@ def rows(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t[:, None] if t.dim() == x.dim() - 1 else t
 
 
+def kernel_rows(x: torch.Tensor, *row_tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these shapes: x [B, S, D] and rows [B, D] or [B, 1 or S, D]."""
+    return x.dim() == 3 and all(t.dim() == 2 or (t.dim() == 3 and t.shape[1] in (1, x.shape[1])) for t in row_tensors)
+
+
 def _triton_rows(x: torch.Tensor, *row_tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs: CUDA (`kernels.use_triton`) and [B, D] rows, the only ones its kernels take."""
-    return kernels.use_triton(x) and all(t.dim() == x.dim() - 1 for t in row_tensors)
+    """Whether the Triton kernel runs: CUDA (`kernels.use_triton`) and shapes it takes (`kernel_rows`)."""
+    return kernels.use_triton(x) and kernel_rows(x, *row_tensors)
 
 
 def _layer_norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,16 +65,20 @@ def scale_residual_layer_norm_scale_shift_fused(
 def rms_norm_scale_shift_fused(x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None,
                                eps: float) -> torch.Tensor:
     """`RMSNorm(x)·(1+scale)+shift` (no norm weight) in fp32, one rounding; without scale, the bare norm."""
+    if (shift is None) != (scale is None):
+        raise ValueError("shift and scale come together, or neither (the bare norm)")
+    if shift is not None and scale is not None and _triton_rows(x, shift, scale):
+        return kernels.ops().rms_norm_scale_shift(x, shift, scale, eps)
     y = rms_f32(x, eps)
     if shift is not None and scale is not None:
         y = y * (1 + rows(scale, x).float()) + rows(shift, x).float()
-    elif shift is not None or scale is not None:
-        raise ValueError("shift and scale come together, or neither (the bare norm)")
     return y.to(x.dtype)
 
 
 def scale_shift_fused(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x·(1+scale)+shift` in fp32, one rounding."""
+    if _triton_rows(x, shift, scale):
+        return kernels.ops().scale_shift(x, shift, scale)
     return (x.float() * (1 + rows(scale, x).float()) + rows(shift, x).float()).to(x.dtype)
 
 
@@ -83,6 +91,8 @@ def gated_residual_fused(y: torch.Tensor, gate: torch.Tensor, residual: torch.Te
 
 def attention_gate_fused(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-head gate `out·2σ(logits)` (out [B, S, H, D], logits [B, S, H]) in fp32, one rounding."""
+    if kernels.use_triton(out):
+        return kernels.ops().attention_gate(out, logits)
     return (out.float() * (2.0 * torch.sigmoid(logits.float())).unsqueeze(-1)).to(out.dtype)
 
 

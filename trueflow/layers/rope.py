@@ -91,7 +91,12 @@ def qk_norm_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, tables
 def qk_norm_across_heads_rope_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int,
                                     tables: RopeTables | None) -> torch.Tensor:
     """RMSNorm across all heads (x [B, S, H·D], weight [H·D]), then each head rotated if tables are given, all in
-    fp32, rounding once. Returns [B, S, H, D]."""
+    fp32, rounding once. Returns [B, S, H, D]. A Triton kernel on CUDA (real tables, either pairing, shared by the
+    heads or per head), this PyTorch code elsewhere."""
+    if kernels.use_triton(x) and (tables is None or tables.cos is not None):
+        cos, sin = (None, None) if tables is None else (tables.cos, tables.sin)
+        return kernels.ops().qk_norm_across_heads_rope(x.unflatten(-1, (heads, -1)), weight, eps, cos, sin,
+                                                       split=tables is not None and tables.pairs == "split")
     y = rms_f32(x, eps, weight).unflatten(-1, (heads, -1))
     if tables is not None:
         y = rotate_f32(y, tables)

@@ -118,6 +118,8 @@ class TrainConfig(BaseModel):
                                        "SD3 pad T5 to it; Qwen-Image cuts to it)", "rollout", ge=1)
     resolution: int = _f(64, "image side in pixels (a multiple of the family's granule: Qwen-Image 16, LTX-2.3 32)",
                          "rollout", ge=16)
+    height: int | None = _f(None, "image height in pixels (default: --resolution)", "rollout", ge=16)
+    width: int | None = _f(None, "image width in pixels (default: --resolution)", "rollout", ge=16)
     num_frames: int = _f(1, "frames per sample: 1 for images; a video family's count (LTX-2.3: 8k + 1)", "rollout",
                          ge=1)
     fps: float = _f(24.0, "a video's frame rate, which a video family conditions on (images ignore it)", "rollout",
@@ -314,12 +316,15 @@ class TrainConfig(BaseModel):
             errors.append("--reward-placement engine needs --engine-process (without it the engine runs in the "
                           "trainer's process, which is --reward-placement trainer)")
         granule = self.model_family().pipeline.pixels_per_token
-        if self.resolution % granule:
-            errors.append(f"--resolution {self.resolution} must be a multiple of {granule} "
-                          f"({self.model_family().pipeline.size_reason})")
+        sides = {f"--{name} {side}": side for name, side in (("resolution", self.resolution), ("height", self.height),
+                                                             ("width", self.width)) if side is not None}
+        bad = [flag for flag, side in sides.items() if side % granule]
+        if bad:
+            errors += [f"{flag} must be a multiple of {granule} ({self.model_family().pipeline.size_reason})"
+                       for flag in bad]
         else:
             try:
-                self.model_family().pipeline.latent_grid(self.resolution, self.resolution, self.num_frames)
+                self.model_family().pipeline.latent_grid(*self.frame_size(), self.num_frames)
             except ValueError as e:
                 errors.append(f"--num-frames {self.num_frames}: {e}")
         if self.disable_patch and self.rollout_patch_group == "none":
@@ -408,6 +413,11 @@ class TrainConfig(BaseModel):
             errors.append(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple of the {trainers} "
                           "trainer ranks: each rank rolls out an equal share of whole prompts")
         return errors
+
+    def frame_size(self) -> tuple[int, int]:
+        """(height, width) in pixels: `height`/`width` where given, else the square `resolution`."""
+        return (self.resolution if self.height is None else self.height,
+                self.resolution if self.width is None else self.width)
 
     def model_family(self) -> "ModelFamily":
         """The family of `checkpoint` (its model_index.json), else `family`, else the default family."""

@@ -124,9 +124,11 @@ def from_preset(family: ModelFamily, size: str = "full") -> Model:
     return from_counts(family, config, {k: tuple(p.shape) for k, p in model.named_parameters()})
 
 
-def sample_tokens(family: ModelFamily, resolution: int, num_frames: int) -> int:
-    """Tokens one sample runs through the transformer: its latent tokens and its text tokens at most."""
-    return math.prod(family.pipeline.latent_grid(resolution, resolution, num_frames)) + family.pipeline.max_text_tokens
+def sample_tokens(family: ModelFamily, resolution: int, num_frames: int, width: int | None = None) -> int:
+    """Tokens one sample runs through the transformer: its latent tokens (`resolution` high and `width` wide, default
+    square) and its text tokens at most."""
+    grid = family.pipeline.latent_grid(resolution, resolution if width is None else width, num_frames)
+    return math.prod(grid) + family.pipeline.max_text_tokens
 
 
 def check_fits(cfg, ranks: int) -> None:
@@ -155,8 +157,9 @@ def check_fits(cfg, ranks: int) -> None:
     # With true CFG the train forward runs both branches with gradient (`engine.guidance.guide`): twice the rows
     # hold activations until the backward.
     branches = 2 if cfg.cfg_scale > 1 and family.guidance.branches != "none" else 1
+    height, width = cfg.frame_size()
     setting = Setting(rows=cfg.micro_batch_size_sample * cfg.micro_batch_size_tstep * branches,
-                      tokens=sample_tokens(family, cfg.resolution, cfg.num_frames), optimizer=cfg.optimizer,
+                      tokens=sample_tokens(family, height, cfg.num_frames, width), optimizer=cfg.optimizer,
                       ema=bool(cfg.ema_decay), ema_offload=cfg.ema_offload, checkpointing=cfg.gradient_checkpointing,
                       engine_colocated=not (cfg.engine_url or (cfg.ray and cfg.rollout_gpus)))
     need = peak_bytes(m, setting, ranks)

@@ -74,7 +74,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     assert cfg.checkpoint is not None  # `_check_before_loading` set the default
     path = Path(cfg.checkpoint) / "scheduler" / "scheduler_config.json"
     config = json.loads(path.read_text()) if path.is_file() else dict(fam.pipeline.scheduler_config)
-    tokens = math.prod(fam.pipeline.latent_grid(cfg.resolution, cfg.resolution, cfg.num_frames))
+    tokens = math.prod(fam.pipeline.latent_grid(*cfg.frame_size(), cfg.num_frames))
     try:
         fam.pipeline.schedule(config, cfg.steps, tokens)
     except ValueError as e:  # e.g. one step under a terminal stretch of the sigmas (shift_terminal) divides by zero

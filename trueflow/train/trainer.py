@@ -205,10 +205,11 @@ class Trainer:
         from ..engine.engine import SamplingParams
 
         c = self.cfg
+        height, width = c.frame_size()
         return SamplingParams(steps=c.steps, sampler=c.sampler, noise_level=c.noise_level, cfg_scale=c.cfg_scale,
                               cfg_scale_2=c.cfg_scale_2, distilled_guidance_scale=c.distilled_guidance_scale,
                               negative_prompt=c.negative_prompt, num_sde_steps=c.num_sde_steps,
-                              sde_window=c.sde_window, height=c.resolution, width=c.resolution, num_frames=c.num_frames,
+                              sde_window=c.sde_window, height=height, width=width, num_frames=c.num_frames,
                               fps=c.fps, max_sequence_length=c.max_sequence_length,
                               rollout_microgroup_size=c.rollout_microgroup_size)
 

@@ -5,6 +5,12 @@ The train side is diffusers' `LTX2VideoTransformer3DModel` in bf16 without autoc
 op, the arithmetic diffusers runs for the video stream, including each intermediate rounding to bf16; tests compare
 each one with the diffusers function it mirrors (tests/test_ltx2_engine.py). Nothing is imported from diffusers.
 
+Where a patch installs an `*_exact` function, it runs on CUDA in bf16 the eager-exact Triton kernels
+(`kernels/triton_ops.py`, `*_eager_bf16`: every op rounded as the reference rounds it, the reductions left to the same
+PyTorch calls), elsewhere (or with `TRUEFLOW_TRITON=0`) the reference itself; either way the bits are the
+reference's (tests/test_kernels.py). The attention gate stays the reference on every device: its `sigmoid` is
+CUDA's `expf`, which a kernel does not reproduce by construction.
+
 What each patch changes, and why the engine's fast op differs:
 - `rms_norm_scale_shift`: diffusers' `RMSNorm` (no weight) rounds `x·rsqrt(var+eps)` to bf16, then `(1+scale)`,
   `·` and `+shift` each round; the fast op keeps the chain in fp32 and rounds once.
@@ -38,11 +44,15 @@ or `_native_efficient` (the memory-efficient kernel pinned; CUDA only).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
+from ... import kernels
 from ...layers.linear import Linear
-from ...layers.modulation import AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift
+from ...layers.modulation import (AttentionGate, GatedResidual, LayerNormScaleShift, RMSNormScaleShift, ScaleShift,
+                                  kernel_rows)
 from ...layers.rope import QKNormAcrossHeadsRope, RopeTables
 from ...patches import Patch, PatchGroup, attention_kernel, set_on
 from .transformer import CrossAttention, LTX2Config, LTX2Transformer, RotaryEmbedding, SelfAttention, split_tables
@@ -139,6 +149,85 @@ def rope_tables_reference(config: LTX2Config, grid: tuple[int, int, int], fps: f
     return split_tables(angles[0], config.inner_dim, config.num_attention_heads)
 
 
+# -- the exact functions the group installs: Triton kernels on CUDA, the reference elsewhere -------------------------
+def rms_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
+    """The squares and the modulated norm in kernels, the variance PyTorch's own mean; the bare norm stays the
+    reference."""
+    if scale is not None and kernels.use_eager_exact(x, shift, scale) and kernel_rows(x, shift, scale):
+        return kernels.ops().rms_norm_scale_shift_eager_bf16(x, shift, scale, eps)
+    return rms_norm_scale_shift_reference(x, shift, scale, eps)
+
+
+def scale_shift_exact(x, shift, scale) -> torch.Tensor:
+    if kernels.use_eager_exact(x, shift, scale) and kernel_rows(x, shift, scale):
+        return kernels.ops().scale_shift_eager_bf16(x, shift, scale)
+    return scale_shift_reference(x, shift, scale)
+
+
+def gated_residual_exact(y, gate, residual) -> torch.Tensor:
+    """The eager mul-add kernel `c + a·(k+b)` with k = 0: the product rounded, then the sum."""
+    if kernels.use_eager_exact(y, gate, residual) and kernel_rows(y, gate):
+        return kernels.ops().mul_add_eager_bf16(y, gate, residual, 0.0)
+    return gated_residual_reference(y, gate, residual)
+
+
+def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
+    """PyTorch's LayerNorm itself (a reduction), then the modulation's three roundings in one kernel."""
+    if kernels.use_eager_exact(x, shift, scale) and kernel_rows(x, shift, scale):
+        return kernels.ops().scale_shift_eager_bf16(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
+    return layer_norm_scale_shift_reference(x, shift, scale, eps)
+
+
+# The sample that tells the two roundings of `addcmul_` apart, by construction: with p = 2^-8 + 2^-24 + 2^-32 and
+# q = p/3 = 5592491·2^-32 (exact in fp32), `1·1 + q·3` fused is 1 + p, which rounds to fp32 1 + 2^-8 + 2^-23 and then
+# up to bf16 1 + 2^-7; with the product rounded first (q·3 -> 2^-8 + 2^-24, a tie to even), 1 + 2^-8 + 2^-24 is an
+# fp32 tie that goes to 1 + 2^-8, a bf16 tie that goes to 1. Head 0 has it in its first half (a = 1, b = 3, sin = -q),
+# head 1 in its second (a = 3, b = 1, sin = q); the real head width (D = 128) keeps PyTorch's vectorised CPU loop.
+_FMA_Q = 5592491 * 2.0**-32
+_SPLIT_FMA: dict[torch.device, bool | None] = {}  # device -> how its addcmul_ rounds (None: no kernel variant)
+
+
+def split_rope_fma_sample(device) -> tuple[torch.Tensor, RopeTables]:
+    """(y [1, 1, 2·128] bf16, per-head tables [1, 2, 1, 64]): the discriminating sample above."""
+    half = torch.ones(64)
+    y = torch.cat([half, 3 * half, 3 * half, half]).view(1, 1, 256).to(device, torch.bfloat16)
+    cos = torch.ones(1, 2, 1, 64, device=device)
+    sin = torch.tensor([-_FMA_Q, _FMA_Q], device=device).view(1, 2, 1, 1).expand(1, 2, 1, 64).contiguous()
+    return y, RopeTables(cos=cos, sin=sin, pairs="split")
+
+
+def split_rope_fma(device: torch.device) -> bool | None:
+    """How PyTorch's `addcmul_` rounds on `device`, found once by running diffusers' split RoPE on a sample that tells
+    the two apart (`split_rope_fma_sample`): True if it fuses the product into the sum, False if it rounds the product
+    first; None if neither kernel variant reproduces it (the reference then runs, with a warning)."""
+    if device not in _SPLIT_FMA:
+        y, tables = split_rope_fma_sample(device)
+        ref = split_rope_reference(y, tables)
+        found = [fma for fma in (True, False)
+                 if torch.equal(kernels.ops().split_rope_eager_bf16(y, tables.cos, tables.sin, fma), ref)]
+        _SPLIT_FMA[device] = found[0] if found else None
+        if not found:
+            warnings.warn(f"no split-RoPE kernel variant reproduces PyTorch's addcmul_ on {device}: parity mode runs "
+                          f"that chain as eager ops (slower, still bitwise)", stacklevel=2)
+    return _SPLIT_FMA[device]
+
+
+def qk_norm_rope_exact(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int,
+                       tables: RopeTables | None) -> torch.Tensor:
+    """PyTorch's `rms_norm` itself (a reduction), then the split RoPE in one kernel in the `addcmul_` rounding
+    `split_rope_fma` found on the device (found in the engine's eager warm-up forward: a CUDA graph capture that
+    comes first runs the reference)."""
+    y = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if tables is not None:
+        capturing = y.is_cuda and torch.cuda.is_current_stream_capturing()
+        fma = split_rope_fma(y.device) if kernels.use_eager_exact(y) and tables.cos is not None and \
+            tables.cos.dim() == 4 and (y.device in _SPLIT_FMA or not capturing) else None
+        assert tables.cos is not None and tables.sin is not None, "the split RoPE's tables are real"
+        y = split_rope_reference(y, tables) if fma is None else \
+            kernels.ops().split_rope_eager_bf16(y, tables.cos, tables.sin, fma)
+    return y.unflatten(-1, (heads, -1))
+
+
 # -- the group -------------------------------------------------------------------------------------------------
 # The train side's diffusers attention backend -> the engine kernel whose forward is bitwise that backend's.
 TRAIN_ATTENTION_KERNELS = {"native": "sdpa", "_native_math": "math", "_native_efficient": "efficient"}
@@ -151,17 +240,17 @@ def make_group(train_attention_backend: str = DEFAULT_TRAIN_ATTENTION_BACKEND) -
     kernel = attention_kernel(TRAIN_ATTENTION_KERNELS, train_attention_backend, " with LTX-2's text mask")
     return PatchGroup("ltx", (
         Patch("rms_norm_scale_shift", "RMSNorm rounded to bf16, then (1+scale), ·, +shift each rounded",
-              set_on(RMSNormScaleShift, "impl", rms_norm_scale_shift_reference)),
+              set_on(RMSNormScaleShift, "impl", rms_norm_scale_shift_exact)),
         Patch("text_kv_modulation", "the text's per-block key/value modulation, (1+scale), ·, +shift each rounded",
-              set_on(ScaleShift, "impl", scale_shift_reference)),
+              set_on(ScaleShift, "impl", scale_shift_exact)),
         Patch("gated_residual", "residual + y·gate with the product and the sum each rounded",
-              set_on(GatedResidual, "impl", gated_residual_reference)),
+              set_on(GatedResidual, "impl", gated_residual_exact)),
         Patch("layer_norm_scale_shift", "output LayerNorm rounded to bf16, then (1+scale), ·, +shift each rounded",
-              set_on(LayerNormScaleShift, "impl", layer_norm_scale_shift_reference)),
+              set_on(LayerNormScaleShift, "impl", layer_norm_scale_shift_exact)),
         Patch("attention_gate", "2·sigmoid(logits) rounded to bf16 before the per-head product",
               set_on(AttentionGate, "impl", attention_gate_reference)),
         Patch("qk_norm_rope", "qk RMSNorm rounded to bf16, then split RoPE in fp32 with addcmul_, rounded",
-              set_on(QKNormAcrossHeadsRope, "impl", qk_norm_rope_reference)),
+              set_on(QKNormAcrossHeadsRope, "impl", qk_norm_rope_exact)),
         Patch("rope_tables", "RoPE tables from pixel-space patch bounds and float64 frequencies, as diffusers",
               set_on(RotaryEmbedding, "impl", rope_tables_reference)),
         Patch("unpacked_qkv", "separate q/k/v/gate GEMMs with the bias in the same call",
