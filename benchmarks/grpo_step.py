@@ -473,7 +473,8 @@ def run_trueflow(args: argparse.Namespace, ckpt: Path, clip_dir: Path, work: Pat
         max_sequence_length=MAX_SEQUENCE_LENGTH, resolution=size.height, width=size.width, num_frames=size.frames,
         rollout_patch_group=family.patch_group, num_steps_per_rollout=1, micro_batch_size_sample=args.micro_batch,
         micro_batch_size_tstep=1, device=device, engine_process=args.engine_process, reward="pickscore",
-        reward_model=str(clip_dir), reward_frames=REWARD_FRAMES, reward_placement="trainer")
+        reward_model=str(clip_dir), reward_frames=REWARD_FRAMES, reward_placement="trainer",
+        train_kernels=args.train_kernels)
     results.info["trueflow_config"] = cfg.to_dict()
     last = [time.perf_counter()]
 
@@ -727,6 +728,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=2, help=f"prompts per step (x a group of {GROUP} samples)")
     ap.add_argument("--micro-batch", type=int, default=8, choices=(8, 4),
                     help="samples per rollout microgroup = per train micro-batch (4 if 8 does not fit)")
+    ap.add_argument("--train-kernels", choices=("stock", "fused"), default="stock",
+                    help="trueflow's train side on diffusers' kernels or the eager-exact fused ones (the same "
+                         "forward bits; the baseline stays stock)")
     ap.add_argument("--engine-process", action="store_true",
                     help="trueflow's engine in its own process, LoRA synced by CUDA IPC (default: embedded, one "
                          "process); peak memory then covers the trainer's process only")
@@ -784,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                        "trueflow_placement": "engine process" if args.engine_process else "embedded",
                        "cfg_scale": family.cfg, "noise_level": NOISE_LEVEL, "lora_rank": LORA_RANK,
                        "max_sequence_length": MAX_SEQUENCE_LENGTH, "attention_backend": family.attention_backend,
-                       "gradient_checkpointing": True,
+                       "gradient_checkpointing": True, "train_kernels": args.train_kernels,
                        "reward": "pickscore (random CLIP, " + ("ViT-H/14 size)" if args.size == "full" else "tiny)")
                        + (f" on {REWARD_FRAMES} frames a video" if size.frames > 1 else "")},
             "flops_note": "transformer GEMM + attention FLOPs of the forwards each phase runs (train: x3 for "
