@@ -9,7 +9,7 @@ the kernel computes each op in fp32 and rounds to bf16 after each one, in the sa
 runs in fp32 (the split RoPE's) rounds to fp32. Reductions (LayerNorm, the RMS variance, `rms_norm`) stay PyTorch's
 own calls, whose order nobody here reproduces; the kernels take over the elementwise ops around them. They launch
 with `enable_fp_fusion=False`, so the compiler contracts no multiply-add that eager PyTorch rounds twice (`tl.fma` is
-written out where PyTorch's kernel fuses one).
+written out where PyTorch's kernel fuses one); RMSNorm + complex RoPE is the exception, at `rms_norm_eager_bf16`.
 
 Modulation rows (shift, scale, gate) come as [B, D] (one row per sample) or [B, T, D] with T = 1 or one row per
 token (`_rows`); a row tensor may be a row-strided view (a `chunk` of one Linear output).
@@ -487,6 +487,10 @@ def _rms_tail_kernel(x_ptr, r_ptr, w_ptr, f_ptr, out_ptr, S, H, D, x_sb, x_ss, x
     tl.store(out_ptr + b * o_sb + s * o_ss + h * o_sh + d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The one eager-exact kernel launched with the compiler's contraction on: the variant `patches.complex_fma` picks on
+# an H200 is the one whose products the compiler fuses as PyTorch's CUDA complex multiplication does. With
+# `enable_fp_fusion=False` neither variant reproduced it there (tests/test_kernels.py::test_qk_norm_rope_exact on
+# CUDA, 2026-12-02), and parity mode fell back to eager ops.
 def rms_norm_eager_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, freqs: torch.Tensor | None = None,
                         out: torch.Tensor | None = None, complex_fma: bool = True) -> torch.Tensor:
     """diffusers' RMSNorm over the last dim of bf16 x, [B, S, D] or per head [B, S, H, D] (any strides but a unit
@@ -507,7 +511,7 @@ def rms_norm_eager_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, freqs
     _rms_tail_kernel[(B * S,)](x4, r, weight.contiguous(), f, out4, S, H, D, x4.stride(0), x4.stride(1),
                                x4.stride(2), out4.stride(0), out4.stride(1), out4.stride(2), ROPE=freqs is not None,
                                COMPLEX_FMA=complex_fma, BLOCK_H=block_h, BLOCK_D=block_d,
-                               num_warps=_num_warps(block_h * block_d), **_EXACT)
+                               num_warps=_num_warps(block_h * block_d))  # not _EXACT: see above
     return out
 
 
