@@ -79,8 +79,11 @@ class TrainConfig(BaseModel):
     lora_experts: list[str] | None = _f(None, "the experts (pipeline components, e.g. transformer_2) whose LoRA is "
                                               "trained (default: every expert of the checkpoint)", "model",
                                         min_length=1)
-    gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
-                                             "forward's values, hence parity, are unchanged)", "model")
+    gradient_checkpointing: bool | Literal["auto"] = _f(False, "recompute block activations in backward (memory for "
+                                                               "time; the forward's values, hence parity, are "
+                                                               "unchanged); auto: the fewest blocks the memory plan "
+                                                               "needs against --gpu-memory-gib, none where it fits "
+                                                               "(docs/training.md)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
                                                   "one the family's patch group pairs with)", "model")
     batch_invariant: bool = _f(False, "batch-invariant parity mode: batch-invariant GEMMs and per-sample attention "
@@ -244,7 +247,7 @@ class TrainConfig(BaseModel):
             return None
         return list(v) if isinstance(v, tuple) else v
 
-    @field_validator("share_base_weights", mode="before")
+    @field_validator("gradient_checkpointing", "share_base_weights", mode="before")
     @classmethod
     def _switch_or_auto(cls, v: Any) -> Any:
         if isinstance(v, str) and v.strip().lower() not in {"auto", "true", "false", "yes", "no", "on", "off", "1",
@@ -792,7 +795,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
                              add_argument_method=_add_setting_argument)
 
 
-_SWITCH_OR_AUTO = ("checkpoint.resume", "parallel.share_base_weights")
+_SWITCH_OR_AUTO = ("checkpoint.resume", "model.gradient_checkpointing", "parallel.share_base_weights")
 
 
 def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:

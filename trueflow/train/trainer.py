@@ -35,7 +35,7 @@ from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from . import checkpoint as ckpt
-from . import full, full_checkpoint
+from . import full, full_checkpoint, memory
 from .async_rollouts import CHECKPOINT_KEY, AsyncRollouts, Behaviour, ImportanceWeights
 from .batch import TrainBatch, assemble, split_by_expert
 from .config import TrainConfig
@@ -88,13 +88,19 @@ class Trainer:
         self.trained = set(cfg.lora_experts or self.experts)
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                   target_modules=tuple(cfg.lora_target_modules))
+        every = cfg.gradient_checkpointing is True
+        chosen = 0
+        if cfg.gradient_checkpointing == "auto":  # the fewest first blocks the memory plan needs recomputed
+            chosen, line = memory.auto_checkpointing(cfg, ctx.world)
+            if ctx.is_main:
+                print(line, flush=True)
         if cfg.use_lora:
             self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
-                                           self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing,
-                                           subfolder=e) for k, e in enumerate(self.experts)}
+                                           self.dtype, ctx.device, cfg.seed + k, every, subfolder=e,
+                                           checkpointed_blocks=chosen) for k, e in enumerate(self.experts)}
         else:  # every weight of the trained experts (`full`)
             self.models = {e: full.build_full_policy(self.family, cfg.checkpoint, e in self.trained, self.dtype,
-                                                     ctx.device, cfg.gradient_checkpointing, subfolder=e)
+                                                     ctx.device, every, subfolder=e, checkpointed_blocks=chosen)
                            for e in self.experts}
         if cfg.train_tp_match:  # each sharded layer as the engine's tensor-parallel ranks compute it
             from ..parallel.engine import tp_plan
