@@ -94,11 +94,12 @@ class Linear(nn.Module):
             raise ValueError("only a packed layer that runs one GEMM per split (unpacked) can hold its splits apart")
         if self.adapters != [None] * len(self.splits) or self.merged:
             raise ValueError("hold_apart before any LoRA is installed")
-        has_bias = self.bias is not None
+        if any((b is None) != (self.bias is None) for b in biases):
+            raise ValueError("hold_apart takes a bias for every split of a layer with a bias, and none otherwise")
         del self.weight, self.bias
         for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
             self.register_parameter(f"weight_{i}", nn.Parameter(w, requires_grad=False))
-            self.register_parameter(f"bias_{i}", nn.Parameter(b, requires_grad=False) if has_bias else None)
+            self.register_parameter(f"bias_{i}", None if b is None else nn.Parameter(b, requires_grad=False))
         self.apart = self.borrowed = True
 
     def forward(self, x: torch.Tensor):

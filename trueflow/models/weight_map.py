@@ -207,7 +207,7 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: N
 
 
 @torch.no_grad()
-def share_weights(model: nn.Module, base: Mapping[str, torch.Tensor], names: Names,
+def share_weights(model: nn.Module, base: dict[str, torch.Tensor], names: Names,
                   device: torch.device) -> dict[str, str]:
     """Install another model's tensors (diffusers names: the train side's frozen base) as the weights of an engine
     model built on the meta device, without a copy wherever a tensor can *be* the parameter: same dtype and shape,
@@ -222,7 +222,9 @@ def share_weights(model: nn.Module, base: Mapping[str, torch.Tensor], names: Nam
     def shareable(t: torch.Tensor, like: torch.Tensor) -> str | None:  # why not, or None
         if t.dtype != like.dtype:
             return f"cast {_dtype_name(t.dtype)} -> {_dtype_name(like.dtype)}"
-        return None if t.device == device and t.is_contiguous() else f"on {t.device}, not contiguous or not {device}"
+        if t.device != device:
+            return f"moved from {t.device} to the engine's {device}"
+        return None if t.is_contiguous() else "made contiguous"
 
     def own_copy(param: nn.Parameter, parts: list[tuple[str, torch.Tensor]], why: str) -> nn.Parameter:
         own.update((name, why) for name, _ in parts)
@@ -245,13 +247,13 @@ def share_weights(model: nn.Module, base: Mapping[str, torch.Tensor], names: Nam
             continue
         for p_name, param in list(mod.named_parameters(recurse=False)):
             name = ".".join(filter(None, (names.diffusers_module_name(mod_name), p_name)))
-            why = shareable(base[name], param)
-            if why is None:
+            reason = shareable(base[name], param)
+            if reason is None:
                 mod.register_parameter(p_name, nn.Parameter(base[name].detach(), requires_grad=False))
                 if isinstance(mod, Linear):
                     mod.borrowed = True
             else:
-                mod.register_parameter(p_name, own_copy(param, [(name, base[name])], why))
+                mod.register_parameter(p_name, own_copy(param, [(name, base[name])], reason))
     return own
 
 

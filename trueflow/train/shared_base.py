@@ -24,14 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from .config import TrainConfig
-
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..engine.interface import RolloutEngine
     from ..models.spec import ModelFamily
     from ..placement import EngineSpec, Placement
+    from .config import TrainConfig
 
 _PEFT_BASE = re.compile(r"\.base_layer(?=\.)")  # PEFT's wrapped layer: `to_q.base_layer.weight` is `to_q.weight`
 
@@ -95,7 +95,7 @@ class EngineOnBase:
     spec: EngineSpec
     placement: Placement
 
-    def build(self, models: Mapping[str, nn.Module], family: ModelFamily):
+    def build(self, models: Mapping[str, nn.Module], family: ModelFamily) -> RolloutEngine:
         from ..placement import build_engine
 
         return build_engine(self.spec, self.placement, base=[base_tensors(m, family) for m in models.values()])
