@@ -9,7 +9,7 @@ Why the first blocks: the backward runs the blocks in reverse, so by the time it
 of every later block are freed, and the recompute costs no more than the peak at the end of the forward
 (`memory.activation_units`). The recompute runs the same ops on the same inputs (non-reentrant
 `torch.utils.checkpoint`, the RNG state restored), so gradients are bitwise those without it
-(tests/test_activation_checkpointing.py)."""
+(tests/test_memory_savings.py)."""
 
 from __future__ import annotations
 
