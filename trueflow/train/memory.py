@@ -160,8 +160,8 @@ def lora_weights(shapes: dict[str, tuple[int, ...]], spec: LoraSpec) -> int:
                and check_target_module_exists(config, name.removesuffix(".weight")))
 
 
-def from_preset(family: ModelFamily, size: str = "full") -> Model:
-    """A `Model` of a family's preset architecture, built on the meta device (no memory)."""
+def preset_shapes(family: ModelFamily, size: str = "full") -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """A family's preset config and its weights' shapes, from the model built on the meta device (no memory)."""
     from accelerate import init_empty_weights
 
     config = family.presets.transformer_config(size)
@@ -169,7 +169,12 @@ def from_preset(family: ModelFamily, size: str = "full") -> Model:
         model_class: type[DiffusersTransformer] = family.train.model_class()
         model = model_class.from_config(config)
     assert not isinstance(model, tuple)  # without return_unused_kwargs: the model alone
-    return from_counts(family, config, {k: tuple(p.shape) for k, p in model.named_parameters()})
+    return config, {k: tuple(p.shape) for k, p in model.named_parameters()}
+
+
+def from_preset(family: ModelFamily, size: str = "full") -> Model:
+    """A `Model` of a family's preset architecture (`preset_shapes`)."""
+    return from_counts(family, *preset_shapes(family, size))
 
 
 def sample_tokens(family: ModelFamily, resolution: int, num_frames: int) -> int:
@@ -273,18 +278,26 @@ def _makes_video(family: ModelFamily, resolution: int, num_frames: int) -> bool:
     return True
 
 
-def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121) -> str:
-    """docs/training.md's table: per family at its full size, the bytes per parameter, the per-GPU state on 8
+def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121, lora_rank: int = 64) -> str:
+    """docs/training.md's tables: per family at its full size, the bytes per parameter, the per-GPU state on 8
     ranks, and the fewest H200s at `micro_batch` samples of `resolution`² pixels (`num_frames` for video
-    families) with and without activation checkpointing (adamw; adamw_bf16)."""
+    families) with and without activation checkpointing (adamw; adamw_bf16); then, for a LoRA of `lora_rank` on
+    one H200, the plan's peak at the fewest blocks `--gradient-checkpointing auto` recomputes, with the engine's
+    own copy and with the shared base."""
     from ..models import families
+    from .model import LoraSpec
 
     gpu = H200_GIB * GIB
     lines = ["| family | weights (trained) | bytes/param (adamw; adamw_bf16) | sharded state on 8 ranks | "
              "tokens/sample | H200s, no checkpointing (adamw; adamw_bf16) | H200s, checkpointing (adamw; adamw_bf16) |",
              "|---|---|---|---|---|---|---|"]
+    lora_lines = [f"A LoRA of rank {lora_rank} on one H200 at the same micro-batch (`--gradient-checkpointing auto`: "
+                  "the plan's peak at the fewest blocks recomputed that fit, and that count):", "",
+                  "| family | LoRA weights | engine's own copy: peak (blocks recomputed) | shared base: peak (blocks "
+                  "recomputed) |", "|---|---|---|---|"]
     for name, family in sorted(families().items()):
-        m = from_preset(family)
+        config, shapes = preset_shapes(family)
+        m = from_counts(family, config, shapes)
         frames = num_frames if _makes_video(family, resolution, num_frames) else 1
         tokens = sample_tokens(family, resolution, frames)
         base = Setting(rows=micro_batch, tokens=tokens)
@@ -300,4 +313,13 @@ def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121) -
         size = f"{resolution}²" + (f" × {frames} frames" if frames > 1 else "")
         lines.append(f"| {name} | {m.params / 1e9:.2f}B ({m.trained / 1e9:.2f}B) | {per_param[0]}; {per_param[1]} | "
                      f"{sharded:.1f} GiB | {tokens:,} ({size}) | {fewest(False)} | {fewest(True)} |")
-    return "\n".join(lines)
+        lora = lora_weights(shapes, LoraSpec(lora_rank, family.train.lora_targets))
+
+        def on_one(shared: bool, m=m, tokens=tokens, lora=lora) -> str:  # this family's, called in this iteration
+            s = Setting(rows=micro_batch, tokens=tokens, lora=lora, shared_base=shared)
+            k = fewest_checkpointed(m, s, 1, gpu)
+            return "does not fit" if k is None else \
+                f"{peak_bytes(m, replace(s, checkpointed=k), 1) / GIB:.1f} GiB ({k} of {m.blocks})"
+
+        lora_lines.append(f"| {name} | {lora / 1e6:.0f}M | {on_one(False)} | {on_one(True)} |")
+    return "\n".join(lines + [""] + lora_lines)
