@@ -7,13 +7,13 @@ in-process engine, the engine on the train side's base tensors ("shared") agains
 
 A Qwen-Image pipeline folder of the `--size` preset (seeded random transformer stored in bf16, the tiny VAE and
 text encoder) is written to a temporary folder (by `trueflow init-checkpoint`, in a process of its own) unless
-`--checkpoint` names one. Each mode then runs in a forked copy of this process, since a peak is a process's own
-(this one imports what both need once, computing nothing: `measure`): it builds what `trueflow train` builds before
-its first rollout
+`--checkpoint` names one. Each mode then runs in a process of its own, since a peak is a process's own (`measure`):
+it builds what `trueflow train` builds before its first rollout
 (`train.run.start_trainer`: the policy from the checkpoint, its LoRA, FSDP2 on one rank, the engine, the first LoRA
 sync), under the aligned settings with `--share-base-weights` true or false.
-- CPU: the process's peak resident set (`resource.getrusage` ru_maxrss) once built, and before (imports done).
-  The two modes run at the same time (each its own process), which changes neither one's peak.
+- CPU: the process's peak resident set (`resource.getrusage` ru_maxrss) once built, its resident set before (the
+  imports done) and once built (what it keeps: the peak also holds the loads' transient copies). The two modes run
+  at the same time (each its own process), which changes neither one's peak.
 - CUDA: `torch.cuda.max_memory_allocated` of the build, then of one rollout after it (`reset_peak_memory_stats`
   between: the rollout phase's peak, what a colocated run holds while it samples), and the memory allocated as
   the rollout starts. The modes run one after the other (both at once could exceed the GPU).
@@ -49,6 +49,11 @@ def _settings(checkpoint: str, out: Path, device: str, resolution: int, share: b
                        micro_batch_size_sample=4, sample_every=0, share_base_weights=share)
 
 
+def resident() -> int:
+    """This process's resident set now (/proc/self/statm's second field, in pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def child(mode: str, args: argparse.Namespace) -> dict:
     """One mode in this process: what it holds once the trainer and its engine are built (and, on CUDA, after a
     rollout)."""
@@ -69,8 +74,9 @@ def child(mode: str, args: argparse.Namespace) -> dict:
 
         t0 = time.perf_counter()
         trainer = build()
-        row = {"mode": mode, "build_s": time.perf_counter() - t0,
-               "rss_before_bytes": before, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        row = {"mode": mode, "build_s": time.perf_counter() - t0, "rss_before_bytes": before,
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "rss_built_bytes": resident()}
         if args.device.startswith("cuda"):
             row["build_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -91,7 +97,7 @@ def weights_bytes(checkpoint: str) -> int:
     for f in sorted((Path(checkpoint) / "transformer").glob("*.safetensors")):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(end - start for k, v in header.items() if k != "__metadata__" for start, end in [v["data_offsets"]])
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
     return total
 
 
@@ -125,16 +131,24 @@ def collect(pid: int, r: int) -> dict:
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    """Both modes, each in a forked copy of this process (CPU: at the same time; CUDA: one after the other). The
-    copies start from this process's resident set (the imports, done once here: a fork's ru_maxrss starts at its
-    current RSS), and this process computes nothing before it forks: no intra-op thread pool to inherit, no CUDA."""
-    import torch  # noqa: F401  # the imports both modes need, paid once
-    import trueflow.train.run  # noqa: F401
-    import trueflow.train.trainer  # noqa: F401
-
+    """Both modes, each in a process of its own. CPU: forked copies of this process, at the same time; they start
+    from its resident set (a fork's ru_maxrss starts at its current RSS) with the imports both need done once here,
+    and this process computes nothing before it forks (no intra-op thread pool to inherit). CUDA: one after the
+    other, each spawned afresh (a forked process cannot use a CUDA its parent may have touched)."""
     if args.device == "cpu":
+        import torch  # noqa: F401  # the imports both modes need, paid once
+        import trueflow.train.run  # noqa: F401
+        import trueflow.train.trainer  # noqa: F401
+
         return [collect(*p) for p in [forked(m, args) for m in MODES]]
-    return [collect(*forked(m, args)) for m in MODES]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    rows = []
+    for m in MODES:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as one:
+            rows.append(one.submit(child, m, args).result())
+    return rows
 
 
 def summary(rows: list[dict], weights: int, device: str) -> dict:
@@ -172,7 +186,8 @@ def main() -> None:
         if checkpoint is None:  # in a process of its own: the forks start from this one's resident set
             checkpoint = str(Path(tmp) / "ckpt")
             subprocess.run([sys.executable, "-m", "trueflow", "init-checkpoint", "--family", "qwen_image", "--size",
-                            args.size, "--dtype", "bf16", "--device", args.device, "--out", checkpoint], check=True,
+                            args.size, "--dtype", "bf16", "--device", args.device, "--output-dir", checkpoint],
+                           check=True,
                            stdout=subprocess.DEVNULL)
         args.checkpoint = checkpoint
         rows = measure(args)
