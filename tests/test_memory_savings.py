@@ -271,8 +271,7 @@ def test_saved_activation_bytes_fall_with_every_block_checkpointed():
 
     saved = []
     for k in range(BLOCKS + 1):
-        for block in model.transformer_blocks:  # back to the class's forward: none checkpointed
-            block.__dict__.pop("forward", None)
+        model.disable_gradient_checkpointing()  # none checkpointed, then the first k
         checkpoint_blocks(model, QWEN.train.shard_units, k)
         held.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -350,8 +349,20 @@ def test_auto_picks_the_fewest_blocks_that_fit(checkpoint, tmp_path, capsys):
 
 
 def test_the_run_recomputes_the_chosen_blocks(trainer):
-    """`trueflow train`'s Trainer builds its policy with the first k blocks recomputed, k the plan's, and says so."""
+    """`trueflow train`'s Trainer builds its policy with the first k blocks recomputed, k the plan's, and says so:
+    through a forward and a backward the first 2 blocks run twice (the recompute calls the block again), the others
+    once."""
     trainer, said = trainer
-    blocks = trainer.models["transformer"].transformer_blocks
-    assert [hasattr(b.forward, "__wrapped__") for b in blocks] == [True, True] + [False] * (BLOCKS - 2)
     assert "gradient checkpointing auto: 2 of 4 blocks recomputed in the backward" in said
+    policy = trainer.models["transformer"]
+    calls = [0] * BLOCKS
+    # a pre-hook: the recompute stops once it has made what the backward needs, before the block's call returns
+    hooks = [b.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i, b in enumerate(policy.transformer_blocks)]
+    try:
+        forward(policy).float().square().mean().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    assert calls == [2, 2] + [1] * (BLOCKS - 2)
