@@ -16,6 +16,7 @@ import json
 import math
 import struct
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from ..collate import Cond
 from .. import loading
 from ..loading import CheckpointError
 from ..models import checkpoint_experts, family_for_checkpoint
+from ..models.spec import EngineModel
 from ..sync.buckets import Bucket, unpack
 from . import weights
 from .batcher import ForwardBatcher
@@ -44,6 +46,20 @@ if TYPE_CHECKING:
 _NOISE_STREAM, _WINDOW_STREAM = 0, 1
 
 
+def shared_base_line(own: Sequence[Mapping[str, str]], models: Sequence[EngineModel]) -> str:
+    """The one line an engine on the train side's base says: what it shares, and what it copied and why (`own`: per
+    expert, the copied tensors' names -> why)."""
+    sizes = [(name in part, t.numel() * t.element_size()) for part, m in zip(own, models)
+             for name, t in weights.full_state(m).items()]
+    shared, copied = (sum(n for is_own, n in sizes if is_own is flag) for flag in (False, True))
+    line = f"engine: reads the train side's base weights ({shared / 2**20:,.1f} MiB, no copy)"
+    whys = sorted({why for part in own for why in part.values()})
+    if not whys:
+        return line + "; it holds no copy of its own"
+    count = sum(len(part) for part in own)
+    return line + f"; own copies of {count} tensors ({copied / 2**20:,.1f} MiB): {'; '.join(whys)}"
+
+
 def derive_seed(seed: int, *path: int) -> int:
     """A 63-bit seed for the random stream at `path` under `seed` (blake2b of the signed 64-bit integers): the
     same on every platform, and unrelated for neighbouring paths, unlike `seed + k`."""
@@ -59,11 +75,14 @@ class Engine:
     model_index.json does not. `tp`: this process is one rank of a tensor-parallel engine (`parallel.comm.TPGroup`):
     its transformer holds the rank's shard of the family's plan, loaded from rank 0's copy; every rank runs the same
     calls (`placement.process` drives them). `progress`: every rollout shows a tqdm bar over its denoising steps on
-    stderr."""
+    stderr. `base`: per expert, the train side's frozen base tensors (diffusers names, `train.shared_base`), which
+    the transformers read instead of a copy from the checkpoint (`weights.share_engine_transformer`; one line says
+    what had to be copied)."""
 
     def __init__(self, checkpoint: str | Path, patch_group: str = "none", disabled_patches: tuple[str, ...] = (),
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, cuda_graphs: bool = True,
-                 family: str | None = None, tp: TPGroup | None = None, progress: bool = False):
+                 family: str | None = None, tp: TPGroup | None = None, progress: bool = False,
+                 base: Sequence[Mapping[str, torch.Tensor]] | None = None):
         root = Path(checkpoint)
         self.family = fam = family_for_checkpoint(root, family)
         for sub in fam.pipeline.folders:
@@ -75,7 +94,15 @@ class Engine:
         self.patch_group, self.disabled_patches = patch_group, tuple(disabled_patches)
         self.progress = progress
         self.experts = checkpoint_experts(root, fam)
-        if tp is None:
+        if base is not None:
+            if tp is not None or len(base) != len(self.experts):
+                raise ValueError("an engine on the train side's base weights takes one base per expert, at --tp 1")
+            built = [weights.share_engine_transformer(root, b, self.device, dtype, patch_group, disabled_patches,
+                                                      family=fam.name, subfolder=e.name)
+                     for e, b in zip(self.experts, base)]
+            self.transformers = [m for m, _ in built]
+            print(shared_base_line([own for _, own in built], self.transformers), flush=True)
+        elif tp is None:
             self.transformers = [weights.load_engine_transformer(root, self.device, dtype, patch_group,
                                                                  disabled_patches, family=fam.name, subfolder=e.name)
                                  for e in self.experts]

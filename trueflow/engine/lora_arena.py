@@ -53,11 +53,11 @@ class LoraArena:
             a_idx.append(order[a])
             b_idx.append(order[b])
             ranks.append(views[a].shape[0])
-            base.append(layer.weight[layer._slot(slot)])
-            self.dtypes.add(layer.weight.dtype)
+            base.append(layer.slot_weight(slot))
+            self.dtypes.add(layer.dtype)
         for layer, adapters in held.items():
             layer.hold_lora(adapters)
-        self.held = [(layer, layer.adapters, layer.weight._version) for layer in held]
+        self.held = [(layer, layer.adapters, layer.weights_version) for layer in held]
         self.a_idx, self.b_idx = torch.tensor(a_idx), torch.tensor(b_idx)
         self.ranks = torch.tensor(ranks, dtype=torch.float64)
         # The base rows' largest |value|, fixed while the base weights are (checked by version in `accepts`).
@@ -72,7 +72,7 @@ class LoraArena:
         names = [n for b in buckets for n, _, _, _ in b.manifest]
         slots = lora.lora_slots(model)
         installed = sorted(f"{p}.lora_{ab}.weight" for p, _, _ in slots for ab in "AB")
-        dtypes = {layer.weight.dtype for _, layer, _ in slots}
+        dtypes = {layer.dtype for _, layer, _ in slots}
         return (bool(names) and names == installed and len(dtypes) == 1
                 and not any(layer.merged for _, layer, _ in slots)
                 and all(packed_in_order(b) and {d for _, d, _, _ in b.manifest} == dtypes for b in buckets))
@@ -86,7 +86,7 @@ class LoraArena:
         base weights unchanged since their ranges were taken."""
         return (isinstance(scale, numbers.Real) and not isinstance(scale, bool) and float(scale) == self.scale
                 and self.holds() and layout(buckets) == self.layout
-                and all(layer.weight._version == v for layer, _, v in self.held))
+                and all(layer.weights_version == v for layer, _, v in self.held))
 
     @torch.no_grad()
     def approves(self, buckets: list[Bucket]) -> bool:

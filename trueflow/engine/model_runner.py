@@ -115,6 +115,9 @@ class ModelRunner:
         if getattr(self.transformer, "tp", None) is not None:
             raise ValueError("full-weight updates of a tensor-parallel engine are not supported: load the weights "
                              "with --tp 1, or start the engine from a checkpoint holding them")
+        if any(getattr(m, "shared_base", False) for m in self.transformers):
+            raise ValueError("full-weight updates of an engine on the train side's base weights would write into "
+                             "them: start the engine with a copy of its own (--no-share-base-weights)")
         if self.batcher is not None:  # its forwards are the batcher's partials now, not GraphedForwards
             raise ValueError("full-weight updates of an engine that merges rollouts' forwards (serve --max-merged) "
                              "are not supported: start it without --max-merged, or from a checkpoint holding them")

@@ -2,6 +2,10 @@
 
 A packed layer (q/k/v in one weight) holds one adapter slot per packed projection. LoRA names, shapes and
 scales are those of PEFT: delta = B(A x) · scale, scale = alpha / rank.
+
+A layer may run on weights it does not own (`borrowed`: the train side's frozen base, `engine.weights.share_engine_
+transformer`): it then never writes them (no merged LoRA), and a packed layer that runs one GEMM per split holds each
+split's weight and bias apart (`hold_apart`), as the separate tensors they are on the train side.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class Linear(nn.Module):
         self.unpacked = False
         self.adapters: list[LoraAdapter | None] = [None] * len(self.splits)  # the installed LoRA, per split
         self.base_weight: torch.Tensor | None = None  # the un-merged weight while the LoRA is merged into `weight`
+        self.borrowed = False  # the weights are another model's (`hold_apart`, or shared as they are): never written
+        self.apart = False  # each split's weight and bias are parameters of their own (`hold_apart`)
 
     @property
     def merged(self) -> bool:
@@ -53,14 +59,57 @@ class Linear(nn.Module):
         start = sum(self.splits[:i])
         return slice(start, start + self.splits[i])
 
+    def slot_params(self, i: int) -> list[tuple[str, nn.Parameter, slice | None]]:
+        """(weight|bias, the parameter, its rows for split `i` or None) of split `i`: rows of the packed parameters,
+        or the split's own parameters once held apart."""
+        if self.apart:
+            return [(kind, getattr(self, f"{kind}_{i}"), None) for kind in ("weight", "bias")
+                    if getattr(self, f"{kind}_{i}", None) is not None]
+        return [(kind, p, self._slot(i) if self.packed else None) for kind, p in (("weight", self.weight),
+                                                                                 ("bias", self.bias)) if p is not None]
+
+    def slot_weight(self, i: int) -> torch.Tensor:
+        """Split `i`'s weight rows (a view, or the split's own weight once held apart)."""
+        _, p, rows = self.slot_params(i)[0]
+        return p if rows is None else p[rows]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slot_weight(0).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_weight(0).device
+
+    @property
+    def weights_version(self) -> tuple[int, ...]:
+        """The in-place versions of the weights: what changes when anything writes into them."""
+        return tuple(p._version for p in self.parameters(recurse=False))
+
+    def hold_apart(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+        """Run each split from its own weight and bias (`weight_i`, `bias_i`), given tensors kept as they are (no
+        copy: another model's, `borrowed`), in place of the packed `weight` and `bias`, which are dropped. Only a
+        layer that runs one GEMM per split (`unpacked`) can: a packed GEMM needs its splits in one buffer."""
+        if not (self.packed and self.unpacked):
+            raise ValueError("only a packed layer that runs one GEMM per split (unpacked) can hold its splits apart")
+        if self.adapters != [None] * len(self.splits) or self.merged:
+            raise ValueError("hold_apart before any LoRA is installed")
+        if any((b is None) != (self.bias is None) for b in biases):
+            raise ValueError("hold_apart takes a bias for every split of a layer with a bias, and none otherwise")
+        del self.weight, self.bias
+        for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+            self.register_parameter(f"weight_{i}", nn.Parameter(w, requires_grad=False))
+            self.register_parameter(f"bias_{i}", None if b is None else nn.Parameter(b, requires_grad=False))
+        self.apart = self.borrowed = True
+
     def forward(self, x: torch.Tensor):
         adapters: list[LoraAdapter | None] = [None] * len(self.splits) if self.merged else self.adapters
         if self.packed and self.unpacked:
             slots = []
             for i in range(len(self.splits)):
-                s = self._slot(i)
+                params = {kind: p if rows is None else p[rows] for kind, p, rows in self.slot_params(i)}
                 # The bias stays in the GEMM call: F.linear(x, W, b) is not bitwise F.linear(x, W) + b.
-                y = F.linear(x, self.weight[s], None if self.bias is None else self.bias[s])
+                y = F.linear(x, params["weight"], params.get("bias"))
                 slots.append(y if (a := adapters[i]) is None else y + lora_delta_reference(x, a))
             return tuple(slots)
         y = F.linear(x, self.weight, self.bias)
@@ -84,6 +133,8 @@ class Linear(nn.Module):
                     old.A.copy_(new.A)
                     old.B.copy_(new.B)
             return
+        if merge and self.borrowed:  # `weight_map.set_lora` refuses such an update before it installs anything
+            raise ValueError("a merged LoRA would write into weights this layer borrows (the train side's base)")
         self.clear_lora()
         self.adapters = list(adapters)
         if not merge:

@@ -56,6 +56,7 @@ class EngineModel(nn.Module):
     lora_arena: object | None  # `engine.lora_arena.update_lora_packed` (its `LoraArena`: the engine is above models)
     tp: TPRank  # a tensor-parallel rank's model only (`build_tp_engine_transformer`)
     tp_layers: list[str]  # likewise: its swapped engine module names
+    shared_base: bool  # a model on the train side's base tensors only (`engine.weights.share_engine_transformer`)
 
 
 class BuildModel(Protocol):

@@ -135,12 +135,14 @@ def expected_tensors(model: nn.Module, names: Names) -> dict[str, tuple[nn.Param
     """diffusers tensor name -> (engine parameter, row slice of it or None) for every engine parameter."""
     out: dict[str, tuple[nn.Parameter, slice | None]] = {}
     for mod_name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.packed:  # its splits' rows, or their own parameters once held apart
+            for i in range(len(mod.splits)):
+                for kind, param, rows in mod.slot_params(i):
+                    out[f"{names.diffusers_module_name(mod_name, i)}.{kind}"] = (param, rows)
+            continue
         for p_name, param in mod.named_parameters(recurse=False):
-            if isinstance(mod, Linear) and mod.packed:
-                for i in range(len(mod.splits)):
-                    out[f"{names.diffusers_module_name(mod_name, i)}.{p_name}"] = (param, mod._slot(i))
-            else:  # a parameter of the root module (LTX-2's output modulation table) has no module prefix
-                out[".".join(filter(None, (names.diffusers_module_name(mod_name), p_name)))] = (param, None)
+            # a parameter of the root module (LTX-2's output modulation table) has no module prefix
+            out[".".join(filter(None, (names.diffusers_module_name(mod_name), p_name)))] = (param, None)
     return out
 
 
@@ -204,6 +206,57 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], names: N
             (param[rows] if rows is not None else param).copy_(t)
 
 
+@torch.no_grad()
+def share_weights(model: nn.Module, base: dict[str, torch.Tensor], names: Names,
+                  device: torch.device) -> dict[str, str]:
+    """Install another model's tensors (diffusers names: the train side's frozen base) as the weights of an engine
+    model built on the meta device, without a copy wherever a tensor can *be* the parameter: same dtype and shape,
+    on `device`, contiguous. A packed layer that runs one GEMM per split (`Linear.unpacked`, the parity groups'
+    `unpacked_qkv`) holds its splits' tensors apart (`Linear.hold_apart`); one that runs the packed GEMM gets its
+    own packed copy, and so does a tensor the engine holds in another dtype (a cast). Checked first as
+    `load_weights` checks (names, shapes, values). Every layer that reads a shared tensor is marked `borrowed`, so
+    it never writes into it. Returns the tensors copied: diffusers name -> why."""
+    check_weights(model, base, names)
+    own: dict[str, str] = {}
+
+    def shareable(t: torch.Tensor, like: torch.Tensor) -> str | None:  # why not, or None
+        if t.dtype != like.dtype:
+            return f"cast {_dtype_name(t.dtype)} -> {_dtype_name(like.dtype)}"
+        if t.device != device:
+            return f"moved from {t.device} to the engine's {device}"
+        return None if t.is_contiguous() else "made contiguous"
+
+    def own_copy(param: nn.Parameter, parts: list[tuple[str, torch.Tensor]], why: str) -> nn.Parameter:
+        own.update((name, why) for name, _ in parts)
+        return nn.Parameter(torch.cat([t.to(device, param.dtype) for _, t in parts]) if len(parts) > 1 else
+                            parts[0][1].to(device, param.dtype, copy=True), requires_grad=False)
+
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.packed:
+            slots = [{kind: f"{names.diffusers_module_name(mod_name, i)}.{kind}" for kind, _, _ in mod.slot_params(i)}
+                     for i in range(len(mod.splits))]
+            whys = [w for slot in slots for kind, name in slot.items()
+                    if (w := shareable(base[name], getattr(mod, kind)))]
+            if mod.unpacked and not whys:
+                mod.hold_apart([base[slot["weight"]].detach() for slot in slots],
+                               [base[slot["bias"]].detach() if "bias" in slot else None for slot in slots])
+                continue
+            why = whys[0] if whys else "packed: the patch group runs one GEMM for its splits"
+            for kind in slots[0]:
+                setattr(mod, kind, own_copy(getattr(mod, kind), [(s[kind], base[s[kind]]) for s in slots], why))
+            continue
+        for p_name, param in list(mod.named_parameters(recurse=False)):
+            name = ".".join(filter(None, (names.diffusers_module_name(mod_name), p_name)))
+            reason = shareable(base[name], param)
+            if reason is None:
+                mod.register_parameter(p_name, nn.Parameter(base[name].detach(), requires_grad=False))
+                if isinstance(mod, Linear):
+                    mod.borrowed = True
+            else:
+                mod.register_parameter(p_name, own_copy(param, [(name, base[name])], reason))
+    return own
+
+
 T = TypeVar("T")  # what the names map to: tensors, or their shapes (`lora_files` reads a file's header)
 
 
@@ -235,6 +288,9 @@ def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]
     and so must scale·B (what an engine that folds the scale into B holds) and a bound of W + scale·B·A (the
     merged weight; checked in both merge modes, so that the mode never decides whether an update is taken)."""
     modules = dict(model.named_modules())
+    if merge and any(isinstance(m, Linear) and m.borrowed for m in modules.values()):
+        raise ValueError("a merged LoRA would write into the base weights this engine shares with the train side "
+                         "(--share-base-weights): take LoRA updates unmerged (--lora-merge-mode unmerged)")
     unexpected, mismatched, refused = [], [], []
     floats: list[tuple[str, Linear, int, torch.Tensor, torch.Tensor, bool]] = []  # name, layer, slot, A, B, shaped
     for name, (A, B) in lora.items():
@@ -254,13 +310,13 @@ def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]
         if not not_float:
             floats.append((name, layer, slot, A, B, not shapes))
     # One batch of reductions: each A and B, and the base rows the adapter merges into.
-    ranges = _largest([(t, layer.weight.dtype) for _, layer, slot, A, B, _ in floats
-                       for t in (A, B, _base(layer)[layer._slot(slot)])])
-    scale_problem = _scale_problem(scale, {m.weight.dtype for m in modules.values() if isinstance(m, Linear)})
+    ranges = _largest([(t, layer.dtype) for _, layer, slot, A, B, _ in floats
+                       for t in (A, B, _base_rows(layer, slot))])
+    scale_problem = _scale_problem(scale, {m.dtype for m in modules.values() if isinstance(m, Linear)})
     refused += [scale_problem] if scale_problem else []
     per_layer: dict[str, list] = {}
     for i, (name, layer, slot, A, B, shaped) in enumerate(floats):
-        dtype = layer.weight.dtype
+        dtype = layer.dtype
         (given_a, a), (given_b, b), (_, w) = ranges[3 * i:3 * i + 3]
         values = [p for ab, given, cast in (("A", given_a, a), ("B", given_b, b))
                   if (p := _value_problem(f"{name}.lora_{ab}.weight", given, cast, dtype))]
@@ -284,8 +340,7 @@ def set_lora(model: nn.Module, lora: dict[str, tuple[torch.Tensor, torch.Tensor]
 
 
 def _adapter(layer: Linear, A: torch.Tensor, B: torch.Tensor, scale: float) -> LoraAdapter:
-    w = layer.weight
-    return LoraAdapter(A.to(w.device, w.dtype, copy=True), B.to(w.device, w.dtype, copy=True), scale)
+    return LoraAdapter(A.to(layer.device, layer.dtype, copy=True), B.to(layer.device, layer.dtype, copy=True), scale)
 
 
 # of the merged-weight bound below the dtype's range: room for fp32 rounding in the merge's sums
@@ -301,12 +356,12 @@ def _scale_problem(scale: float, dtypes: set[torch.dtype]) -> str | None:
     return None
 
 
-def _base(layer: Linear) -> torch.Tensor:
-    """The layer's weight without any merged LoRA: what a new LoRA merges into."""
+def _base_rows(layer: Linear, slot: int) -> torch.Tensor:
+    """Split `slot`'s weight rows without any merged LoRA: what a new LoRA merges into."""
     if layer.merged:
         assert layer.base_weight is not None  # the merge kept it
-        return layer.base_weight
-    return layer.weight
+        return layer.base_weight[layer._slot(slot)]
+    return layer.slot_weight(slot)
 
 
 def _product_problem(name: str, dtype: torch.dtype, scale: float, a: float, b: float, w: float,

@@ -18,12 +18,14 @@ every rollout where `Placement.reward_at` says (`placement.scored.ScoredEngine` 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .spec import EngineSpec, Placement, RewardSpec
 
 if TYPE_CHECKING:
+    import torch
+
     from ..engine.interface import RolloutEngine
 
 __all__ = ["PLACEMENTS", "EngineSpec", "Placement", "RewardSpec", "build_engine", "placement_kind"]
@@ -39,7 +41,7 @@ PLACEMENTS: dict[str, str] = {
 }
 
 
-def _builder(kind: str) -> Callable[[EngineSpec, Placement], RolloutEngine]:
+def _builder(kind: str) -> Callable[..., RolloutEngine]:
     if kind not in PLACEMENTS:
         raise ValueError(f"unknown engine placement {kind!r}; choose one of {', '.join(PLACEMENTS)}")
     module, _, attr = PLACEMENTS[kind].partition(":")
@@ -54,21 +56,26 @@ def placement_kind(placement: Placement) -> str:
     return "tp" if placement.kind == "process" and placement.tp > 1 else placement.kind
 
 
-def build_engine(spec: EngineSpec, placement: Placement | None = None) -> RolloutEngine:
+def build_engine(spec: EngineSpec, placement: Placement | None = None,
+                 base: Sequence[Mapping[str, torch.Tensor]] | None = None) -> RolloutEngine:
     """The engine `spec` describes, where `placement` puts it (default: in this process), scored by the
     placement's reward where it says (in the caller's process here; in the engine process or a Ray reward actor by
-    those placements)."""
+    those placements). `base`: per expert, the caller's frozen base tensors, which an engine in this process reads
+    instead of loading its own copy (`train.shared_base`); another process cannot read them."""
     placement = placement or Placement()
     kind = placement_kind(placement)
     if kind == "tp" and placement.tp < 2:
         raise ValueError("the tp placement runs 2 or more tensor-parallel processes: give tp > 1")
+    if base is not None and kind != "local":
+        raise ValueError(f"an engine of the {kind} placement runs in another process: it cannot read this "
+                         "process's base weights (share them with the local placement only)")
     reward = None
     if placement.reward is not None and placement.reward_at == "caller":
         from ..rewards.base import build_reward
 
         r = placement.reward
         reward = build_reward(r.spec, r.model, r.device, url=r.url)  # a bad spec fails before an engine starts
-    engine = _builder(kind)(spec, placement)
+    engine = _builder(kind)(spec, placement) if base is None else _builder(kind)(spec, placement, base)
     if reward is None:
         return engine
     from .scored import ScoredEngine

@@ -79,8 +79,11 @@ class TrainConfig(BaseModel):
     lora_experts: list[str] | None = _f(None, "the experts (pipeline components, e.g. transformer_2) whose LoRA is "
                                               "trained (default: every expert of the checkpoint)", "model",
                                         min_length=1)
-    gradient_checkpointing: bool = _f(False, "recompute block activations in backward (memory for time; the "
-                                             "forward's values, hence parity, are unchanged)", "model")
+    gradient_checkpointing: bool | Literal["auto"] = _f(False, "recompute block activations in backward (memory for "
+                                                               "time; the forward's values, hence parity, are "
+                                                               "unchanged); auto: the fewest blocks the memory plan "
+                                                               "needs against --gpu-memory-gib, none where it fits "
+                                                               "(docs/training.md)", "model")
     train_kernels: Literal["stock", "fused"] = _f("stock", "fused: the train forward runs the engine's eager-exact "
                                                            "fused kernels (CUDA, bf16) as autograd Functions under "
                                                            "diffusers' model, its bits unchanged (parity too) with "
@@ -177,6 +180,10 @@ class TrainConfig(BaseModel):
                                     "workspace, no cuDNN autotuning), so two runs on one GPU train bit for bit alike; "
                                     "an op with no deterministic kernel then stops the run, naming it", "parallel")
     engine_process: bool = _f(False, "run the engine in its own process; LoRA synced by IPC handles", "parallel")
+    share_base_weights: bool | Literal["auto"] = _f(
+        "auto", "the in-process engine reads the train side's frozen base weights instead of a copy of its own; auto: "
+        "where it is safe (a LoRA run, unmerged, one rank), true: refuse a run where it is not (docs/training.md)",
+        "parallel")
     engine_url: list[str] | None = _f(None, "use running `trueflow serve` engines on this machine, one per rank in "
                                             "rank order (repeatable); each must run this run's checkpoint, patch "
                                             "group, dtype and CPU threads", "parallel", min_length=1)
@@ -245,6 +252,14 @@ class TrainConfig(BaseModel):
         if v == [None]:  # `--section.key null` on the command line: unset
             return None
         return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("gradient_checkpointing", "share_base_weights", mode="before")
+    @classmethod
+    def _switch_or_auto(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() not in {"auto", "true", "false", "yes", "no", "on", "off", "1",
+                                                             "0"}:
+            raise ValueError("takes no value (on), false (off) or auto")
+        return v
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -612,7 +627,8 @@ class TrainConfig(BaseModel):
 RESUME_MAY_CHANGE = frozenset({"output_dir", "resume", "num_rollouts", "save_every", "keep_checkpoints",
                                "sample_every", "tensorboard",
                                "wandb", "wandb_project", "wandb_name", "debug", "engine_process", "engine_url",
-                               "reward_placement", "gradient_checkpointing", "gpu_memory_gib", "ray", "world_size",
+                               "reward_placement", "gradient_checkpointing", "gpu_memory_gib", "share_base_weights",
+                               "ray", "world_size",
                                "ray_address",
                                "rollout_gpus", "train_gpus"})
 RESUME_WARNS = frozenset({"device"})  # allowed, but the numerics of another device differ in the last bits
@@ -799,6 +815,9 @@ def add_arguments(p: argparse.ArgumentParser) -> Any:
                              add_argument_method=_add_setting_argument)
 
 
+_SWITCH_OR_AUTO = ("checkpoint.resume", "model.gradient_checkpointing", "parallel.share_base_weights")
+
+
 def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:
     """pydantic-settings' add_argument, less its `--SECTION JSON` flags (--checkpoint and --reward are the flat
     aliases of model.checkpoint and reward.name, and every setting of a section has its own flag), with a metavar
@@ -812,7 +831,7 @@ def _add_setting_argument(parser: Any, *names: str, **kwargs: Any) -> None:
         if "metavar" in kwargs:
             kwargs["metavar"] = _metavar(f.annotation)
         kwargs["help"] = _help(f)
-    if dest == "checkpoint.resume":  # a switch that also takes `auto`: --resume, --resume auto, --no-resume
+    if dest in _SWITCH_OR_AUTO:  # a switch that also takes `auto`: --resume, --resume auto, --no-resume
         parser.add_argument(*names, **{**kwargs, "nargs": "?", "const": "true", "metavar": "auto"})
         parser.add_argument(*(f"--no-{n[2:]}" for n in names), dest=dest, action="store_const", const="false",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)

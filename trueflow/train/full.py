@@ -25,6 +25,7 @@ from torch import nn
 from ..models.spec import ModelFamily, expert_prefix
 from ..models.weight_map import OwnedWeights
 from ..sync.full_weights import weights_checksum
+from .activations import checkpoint_blocks
 from .model import load_transformer
 
 if TYPE_CHECKING:
@@ -35,11 +36,13 @@ from .schedule import WeightsEMA
 
 def build_full_policy(family: ModelFamily, checkpoint: str, trained: bool, compute_dtype: torch.dtype,
                       device: torch.device, gradient_checkpointing: bool = False,
-                      subfolder: str = "transformer") -> DiffusersTransformer:
-    """One expert's model with fp32 masters of every weight, sharded (`policy.shard`); `trained` False: frozen."""
+                      subfolder: str = "transformer", checkpointed_blocks: int = 0) -> DiffusersTransformer:
+    """One expert's model with fp32 masters of every weight, sharded (`policy.shard`); `trained` False: frozen.
+    Checkpointing as `policy.build_policy`'s."""
     model = load_transformer(family, checkpoint, torch.float32, subfolder)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
+    checkpoint_blocks(model, family.train.shard_units, checkpointed_blocks)
     for name, p in model.named_parameters():
         p.requires_grad_(trained and reaches_output(family, name))
     return shard(model.to(device), compute_dtype, family.train.shard_units)

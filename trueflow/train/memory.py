@@ -1,6 +1,7 @@
-"""The memory plan of a full-parameter run (`--no-use-lora`): the bytes one GPU holds, from the parameter counts alone,
-so `trueflow train` can refuse a setting that cannot fit before it loads anything, and docs/training.md's table
-(`table`) is this code's output (tests/test_fullft.py checks the two agree).
+"""The memory plan of a run: the bytes one GPU holds, from the parameter counts alone, so `trueflow train` can refuse a
+full-parameter setting (`--no-use-lora`) that cannot fit before it loads anything, `--gradient-checkpointing auto`
+can recompute the fewest blocks that make a run fit (`auto_checkpointing`), and docs/training.md's table (`table`) is
+this code's output (tests/test_fullft.py checks the two agree).
 
 Per rank of R, for P weights of which P_t are trained and P_e reach the engine (docs/precision.md's contract):
 - the sharded training state: fp32 masters of every weight 4·P/R, fp32 gradients 4·P_t/R, the optimizer's moments
@@ -11,10 +12,18 @@ Per rank of R, for P weights of which P_t are trained and P_e reach the engine (
   and block in bf16 (Korthikanti et al., arXiv 2205.05198, Sec. 4.1, Eq. 1 without its 5·a·s/h term: a fused
   attention kernel keeps no score matrix; its dropout masks make it an upper bound for a DiT, which has none);
   with activation checkpointing (diffusers' per-block `enable_gradient_checkpointing`) each block keeps only its
-  input, 2·d, and one block's 34·d are live again during its recompute;
-- the co-located engine's bf16 weights, 2·P_e, whatever R (in the trainer's process or its own on the same GPU);
+  input, 2·d, and one block's 34·d are live again during its recompute. Checkpointing the first k blocks alone
+  (`activations.checkpoint_blocks`) peaks at the end of the forward, 34·d per block kept whole and 2·d per
+  checkpointed one: the backward frees the later blocks' activations before it recomputes the first k, one at a time
+  beside the kept inputs, 2·d·k + 34·d at most (`activation_units`);
+- the co-located engine's bf16 weights, 2·P_e, whatever R (in the trainer's process or its own on the same GPU), none
+  where it reads the train side's base (`shared_base`: a LoRA run on one rank);
 - at each sync the gathered bf16 copies, 2·P_e more, while the engine still holds the old ones (gradients and
   activations are freed by then: the peak is the larger of the train step's and the sync's).
+A LoRA run of P_l adapter weights holds its frozen base once in bf16, 2·P/R, and the adapter as a full-parameter run
+holds its trained weights, (4 + 4 + 8 + 4)·P_l/R at most (masters, gradients, moments, EMA); its sync sends the LoRA
+alone, which the plan leaves out (P_l is a fraction of a percent of P), as it leaves out the LoRA layers' own
+activations (rank-wide, against the 34·d of a block).
 A plan is compared with `USABLE` of the GPU's memory: the rest is the CUDA context, the allocator's fragmentation,
 the text encoder's and VAE's weights. An engine on GPUs of its own (`--ray --rollout-gpus`, `--engine-url`) leaves
 the engine terms off; the plan here is for the co-located placements, the default."""
@@ -23,14 +32,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..models.spec import ModelFamily
 
 if TYPE_CHECKING:
-    from .model import DiffusersTransformer
+    from .model import DiffusersTransformer, LoraSpec
 
 GIB = 1 << 30
 H200_GIB = 140.4  # 143,771 MiB (nvidia-smi of an H200 SXM)
@@ -57,8 +66,11 @@ class Setting:
     optimizer: str = "adamw"
     ema: bool = False
     ema_offload: bool = False
-    checkpointing: bool = False
+    checkpointing: bool = False  # every block (diffusers' `enable_gradient_checkpointing`)
     engine_colocated: bool = True
+    checkpointed: int = 0  # the first blocks checkpointed, where not every one is (`--gradient-checkpointing auto`)
+    lora: int | None = None  # a LoRA run's adapter weights (P_l); None: a full-parameter run
+    shared_base: bool = False  # the co-located engine reads the train side's base on one rank (`--share-base-weights`)
 
 
 def bytes_per_trained_param(s: Setting) -> int:
@@ -66,14 +78,34 @@ def bytes_per_trained_param(s: Setting) -> int:
     return 4 + (8 if s.optimizer == "adamw" else 4) + (4 if s.ema and not s.ema_offload else 0)
 
 
+def activation_units(blocks: int, checkpointed: int) -> int:
+    """A micro-batch's peak activation bytes per token and unit of width with the first `checkpointed` of `blocks`
+    blocks checkpointed (module docstring): 34 per block kept whole and 2 per checkpointed block; with every block
+    checkpointed, 2 per block and the last block's recompute, 34 (so checkpointing the last block too never lowers
+    the peak: its recompute holds what it frees)."""
+    if not 0 <= checkpointed <= blocks:
+        raise ValueError(f"{checkpointed} checkpointed blocks of {blocks}")
+    recompute = ACT_PER_TOKEN_WIDTH if checkpointed == blocks > 0 else 0
+    return ACT_PER_TOKEN_WIDTH * (blocks - checkpointed) + 2 * checkpointed + recompute
+
+
 def peak_bytes(m: Model, s: Setting, ranks: int) -> int:
     """The most one GPU of `ranks` holds (module docstring)."""
+    engine = 2 * m.trained if s.engine_colocated and not (s.shared_base and ranks == 1) else 0
+    acts = s.rows * s.tokens * m.width * activation_units(m.blocks, m.blocks if s.checkpointing else s.checkpointed)
+    if s.lora is not None:  # the base frozen in bf16, the adapter trained; the sync sends the LoRA alone
+        return math.ceil((2 * m.params + (4 + bytes_per_trained_param(s)) * s.lora) / ranks + 2 * 2 * m.unit + acts
+                         + engine)
     sharded = (4 * m.params + bytes_per_trained_param(s) * m.trained) / ranks
-    engine = 2 * m.trained if s.engine_colocated else 0
-    per_token = m.width * (2 * m.blocks + ACT_PER_TOKEN_WIDTH if s.checkpointing else ACT_PER_TOKEN_WIDTH * m.blocks)
-    train = sharded + 2 * 2 * m.unit + s.rows * s.tokens * per_token + engine
+    train = sharded + 2 * 2 * m.unit + acts + engine
     sync = sharded - 4 * m.trained / ranks + 2 * engine  # the gradients are freed before a sync
     return math.ceil(max(train, sync))
+
+
+def fewest_checkpointed(m: Model, s: Setting, ranks: int, gpu_bytes: float) -> int | None:
+    """The fewest first blocks to checkpoint for the setting to fit GPUs of `gpu_bytes` (None: not even all)."""
+    return next((k for k in range(m.blocks + 1)
+                 if peak_bytes(m, replace(s, checkpointing=False, checkpointed=k), ranks) <= USABLE * gpu_bytes), None)
 
 
 def smallest_ranks(m: Model, s: Setting, gpu_bytes: float) -> int | None:
@@ -100,20 +132,36 @@ def from_counts(family: ModelFamily, config: dict, shapes: dict[str, tuple[int, 
                  unit=max(units.values(), default=0), blocks=len(units), width=_width(config))
 
 
-def from_checkpoint(family: ModelFamily, checkpoint: str | Path, subfolder: str = "transformer") -> Model:
-    """A `Model` read from a checkpoint's safetensors headers and config.json: nothing is loaded."""
+def checkpoint_shapes(checkpoint: str | Path, subfolder: str = "transformer") -> dict[str, tuple[int, ...]]:
+    """Every weight's shape (diffusers' names), from the safetensors headers: nothing is loaded."""
     from safetensors import safe_open
 
-    folder = Path(checkpoint) / subfolder
     shapes = {}
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted((Path(checkpoint) / subfolder).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return from_counts(family, json.loads((folder / "config.json").read_text()), shapes)
+    return shapes
 
 
-def from_preset(family: ModelFamily, size: str = "full") -> Model:
-    """A `Model` of a family's preset architecture, built on the meta device (no memory)."""
+def from_checkpoint(family: ModelFamily, checkpoint: str | Path, subfolder: str = "transformer") -> Model:
+    """A `Model` read from a checkpoint's safetensors headers and config.json: nothing is loaded."""
+    config = json.loads((Path(checkpoint) / subfolder / "config.json").read_text())
+    return from_counts(family, config, checkpoint_shapes(checkpoint, subfolder))
+
+
+def lora_weights(shapes: dict[str, tuple[int, ...]], spec: LoraSpec) -> int:
+    """The weights of `spec`'s LoRA on a transformer of these weight shapes: rank·(in + out) for each linear weight
+    whose module PEFT's own rule targets (`peft.tuners.tuners_utils.check_target_module_exists`)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = spec.peft_config()
+    return sum(spec.rank * (shape[0] + shape[1]) for name, shape in shapes.items()
+               if name.endswith(".weight") and len(shape) == 2
+               and check_target_module_exists(config, name.removesuffix(".weight")))
+
+
+def preset_shapes(family: ModelFamily, size: str = "full") -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """A family's preset config and its weights' shapes, from the model built on the meta device (no memory)."""
     from accelerate import init_empty_weights
 
     config = family.presets.transformer_config(size)
@@ -121,7 +169,12 @@ def from_preset(family: ModelFamily, size: str = "full") -> Model:
         model_class: type[DiffusersTransformer] = family.train.model_class()
         model = model_class.from_config(config)
     assert not isinstance(model, tuple)  # without return_unused_kwargs: the model alone
-    return from_counts(family, config, {k: tuple(p.shape) for k, p in model.named_parameters()})
+    return config, {k: tuple(p.shape) for k, p in model.named_parameters()}
+
+
+def from_preset(family: ModelFamily, size: str = "full") -> Model:
+    """A `Model` of a family's preset architecture (`preset_shapes`)."""
+    return from_counts(family, *preset_shapes(family, size))
 
 
 def sample_tokens(family: ModelFamily, resolution: int, num_frames: int, width: int | None = None) -> int:
@@ -131,55 +184,93 @@ def sample_tokens(family: ModelFamily, resolution: int, num_frames: int, width: 
     return math.prod(grid) + family.pipeline.max_text_tokens
 
 
-def check_fits(cfg, ranks: int) -> None:
-    """Refuse (ValueError, one line: the numbers and the fix) a full-parameter setting whose plan exceeds the GPU.
-    The GPU's size is `--gpu-memory-gib`, else the CUDA device's; on a CPU run without it there is no plan."""
-    if cfg.use_lora:
-        return
+def _plan(cfg, ranks: int) -> tuple[Model, Setting, float] | None:
+    """`cfg`'s plan on `ranks`: the model, the setting, and the GPU's bytes (`--gpu-memory-gib`, else the CUDA
+    device's); None where there is none: a CPU run without `--gpu-memory-gib`, or the default checkpoint not made
+    yet (the tiny one)."""
     gib = cfg.gpu_memory_gib
     if gib is None and cfg.device.startswith("cuda"):
         import torch
 
         gib = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory / GIB
-    if gib is None:
-        return
-    from pathlib import Path
-
-    if not (Path(cfg.checkpoint) / "model_index.json").is_file():  # the default tiny one, made later: nothing to plan
-        return
+    if gib is None or not (Path(cfg.checkpoint) / "model_index.json").is_file():
+        return None
     from ..models import checkpoint_experts
+    from .model import LoraSpec
+    from .shared_base import why_not
 
     family = cfg.model_family()
     experts = [e.name for e in checkpoint_experts(cfg.checkpoint, family)]
     models = [from_checkpoint(family, cfg.checkpoint, e) for e in experts]
     m = Model(params=sum(x.params for x in models), trained=sum(x.trained for x in models),
               unit=max(x.unit for x in models), blocks=models[0].blocks, width=models[0].width)
+    lora = None
+    if cfg.use_lora:
+        spec = LoraSpec(cfg.lora_rank, tuple(cfg.lora_target_modules or family.train.lora_targets), cfg.lora_alpha)
+        lora = sum(lora_weights(checkpoint_shapes(cfg.checkpoint, e), spec) for e in experts
+                   if e in (cfg.lora_experts or experts))
     # With true CFG the train forward runs both branches with gradient (`engine.guidance.guide`): twice the rows
     # hold activations until the backward.
     branches = 2 if cfg.cfg_scale > 1 and family.guidance.branches != "none" else 1
     height, width = cfg.frame_size()
     setting = Setting(rows=cfg.micro_batch_size_sample * cfg.micro_batch_size_tstep * branches,
                       tokens=sample_tokens(family, height, cfg.num_frames, width), optimizer=cfg.optimizer,
-                      ema=bool(cfg.ema_decay), ema_offload=cfg.ema_offload, checkpointing=cfg.gradient_checkpointing,
-                      engine_colocated=not (cfg.engine_url or (cfg.ray and cfg.rollout_gpus)))
+                      ema=bool(cfg.ema_decay), ema_offload=cfg.ema_offload,
+                      checkpointing=cfg.gradient_checkpointing is True,
+                      engine_colocated=not (cfg.engine_url or (cfg.ray and cfg.rollout_gpus)), lora=lora,
+                      shared_base=cfg.share_base_weights is not False and why_not(cfg, 1) is None)
+    return m, setting, gib * GIB
+
+
+def check_fits(cfg, ranks: int) -> None:
+    """Refuse (ValueError, one line: the numbers and the fix) a setting whose plan exceeds the GPU: a full-parameter
+    run, and with `--gradient-checkpointing auto` any run (`auto_checkpointing`). The GPU's size is
+    `--gpu-memory-gib`, else the CUDA device's; on a CPU run without it there is no plan."""
+    if cfg.gradient_checkpointing == "auto":
+        auto_checkpointing(cfg, ranks)
+    elif not cfg.use_lora and (plan := _plan(cfg, ranks)) is not None:
+        m, setting, gpu = plan
+        if peak_bytes(m, setting, ranks) > USABLE * gpu:
+            raise _too_big(m, setting, gpu, ranks)
+
+
+def auto_checkpointing(cfg, ranks: int) -> tuple[int, str]:
+    """`--gradient-checkpointing auto`: the fewest first blocks to checkpoint for the plan to fit (0 where it fits
+    without, or where there is no plan), and the line that says so; ValueError (one line) where not even every block
+    checkpointed fits."""
+    plan = _plan(cfg, ranks)
+    if plan is None:
+        return 0, f"gradient checkpointing auto: no memory plan on {cfg.device} without --gpu-memory-gib; no block " \
+                  "recomputed"
+    m, setting, gpu = plan
+    k = fewest_checkpointed(m, setting, ranks, gpu)
+    if k is None:
+        raise _too_big(m, replace(setting, checkpointing=True), gpu, ranks)
+    need = peak_bytes(m, replace(setting, checkpointed=k), ranks)
+    return k, (f"gradient checkpointing auto: {k} of {m.blocks} blocks recomputed in the backward (the plan: "
+               f"{need / GIB:.3g} GiB of {USABLE:.0%} of {gpu / GIB:.3g} GiB)")
+
+
+def _too_big(m: Model, setting: Setting, gpu: float, ranks: int) -> ValueError:
+    """The one-line refusal of a setting over the GPU: its numbers and the fixes."""
     need = peak_bytes(m, setting, ranks)
-    if need <= USABLE * gib * GIB:
-        return
-    fits = smallest_ranks(m, setting, gib * GIB)
+    fits = smallest_ranks(m, setting, gpu)
     fixes = [f"run on {fits} ranks (torchrun --nproc-per-node {fits})" if fits else
              "no number of ranks is enough with the engine on the same GPUs: give it GPUs of its own (--ray "
              "--rollout-gpus)"]
     if not setting.checkpointing:
         fixes.append("--gradient-checkpointing")
-    if setting.optimizer == "adamw":
+    if setting.lora is None and setting.optimizer == "adamw":  # a LoRA's optimizer state is a fraction of a percent
         fixes.append("--optimizer adamw_bf16")
-    if setting.ema and not setting.ema_offload:
+    if setting.lora is None and setting.ema and not setting.ema_offload:
         fixes.append("--ema-offload")
     if setting.rows > 1:
         fixes.append("a smaller --micro-batch-size-sample")
-    raise ValueError(f"--no-use-lora: {m.params:,} weights ({m.trained:,} trained) need {need / GIB:.3g} GiB per "
-                     f"GPU on {ranks} rank(s) at a micro-batch of {setting.rows} x {setting.tokens} tokens, over "
-                     f"{USABLE:.0%} of {gib:.3g} GiB (docs/training.md, Memory plan); {', or '.join(fixes)}")
+    what = "--no-use-lora" if setting.lora is None else "--gradient-checkpointing auto, every block recomputed"
+    trained = f"{m.trained:,} trained" if setting.lora is None else f"a LoRA of {setting.lora:,}"
+    return ValueError(f"{what}: {m.params:,} weights ({trained}) need {need / GIB:.3g} GiB per "
+                      f"GPU on {ranks} rank(s) at a micro-batch of {setting.rows} x {setting.tokens} tokens, over "
+                      f"{USABLE:.0%} of {gpu / GIB:.3g} GiB (docs/training.md, Memory plan); {', or '.join(fixes)}")
 
 
 def _makes_video(family: ModelFamily, resolution: int, num_frames: int) -> bool:
@@ -190,18 +281,26 @@ def _makes_video(family: ModelFamily, resolution: int, num_frames: int) -> bool:
     return True
 
 
-def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121) -> str:
-    """docs/training.md's table: per family at its full size, the bytes per parameter, the per-GPU state on 8
+def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121, lora_rank: int = 64) -> str:
+    """docs/training.md's tables: per family at its full size, the bytes per parameter, the per-GPU state on 8
     ranks, and the fewest H200s at `micro_batch` samples of `resolution`² pixels (`num_frames` for video
-    families) with and without activation checkpointing (adamw; adamw_bf16)."""
+    families) with and without activation checkpointing (adamw; adamw_bf16); then, for a LoRA of `lora_rank` on
+    one H200, the plan's peak at the fewest blocks `--gradient-checkpointing auto` recomputes, with the engine's
+    own copy and with the shared base."""
     from ..models import families
+    from .model import LoraSpec
 
     gpu = H200_GIB * GIB
     lines = ["| family | weights (trained) | bytes/param (adamw; adamw_bf16) | sharded state on 8 ranks | "
              "tokens/sample | H200s, no checkpointing (adamw; adamw_bf16) | H200s, checkpointing (adamw; adamw_bf16) |",
              "|---|---|---|---|---|---|---|"]
+    lora_lines = [f"A LoRA of rank {lora_rank} on one H200 at the same micro-batch (`--gradient-checkpointing auto`: "
+                  "the plan's peak at the fewest blocks recomputed that fit, and that count):", "",
+                  "| family | LoRA weights | engine's own copy: peak (blocks recomputed) | shared base: peak (blocks "
+                  "recomputed) |", "|---|---|---|---|"]
     for name, family in sorted(families().items()):
-        m = from_preset(family)
+        config, shapes = preset_shapes(family)
+        m = from_counts(family, config, shapes)
         frames = num_frames if _makes_video(family, resolution, num_frames) else 1
         tokens = sample_tokens(family, resolution, frames)
         base = Setting(rows=micro_batch, tokens=tokens)
@@ -217,4 +316,13 @@ def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121) -
         size = f"{resolution}²" + (f" × {frames} frames" if frames > 1 else "")
         lines.append(f"| {name} | {m.params / 1e9:.2f}B ({m.trained / 1e9:.2f}B) | {per_param[0]}; {per_param[1]} | "
                      f"{sharded:.1f} GiB | {tokens:,} ({size}) | {fewest(False)} | {fewest(True)} |")
-    return "\n".join(lines)
+        lora = lora_weights(shapes, LoraSpec(lora_rank, family.train.lora_targets))
+
+        def on_one(shared: bool, m=m, tokens=tokens, lora=lora) -> str:  # this family's, called in this iteration
+            s = Setting(rows=micro_batch, tokens=tokens, lora=lora, shared_base=shared)
+            k = fewest_checkpointed(m, s, 1, gpu)
+            return "does not fit" if k is None else \
+                f"{peak_bytes(m, replace(s, checkpointed=k), 1) / GIB:.1f} GiB ({k} of {m.blocks})"
+
+        lora_lines.append(f"| {name} | {lora / 1e6:.0f}M | {on_one(False)} | {on_one(True)} |")
+    return "\n".join(lines + [""] + lora_lines)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models.spec import ModelFamily, expert_prefix
+from .activations import checkpoint_blocks
 from .model import LoraSpec, add_lora, load_transformer
 
 if TYPE_CHECKING:
@@ -32,12 +33,14 @@ _LORA_PARAM = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 def build_policy(family: ModelFamily, checkpoint: str, spec: LoraSpec | None, compute_dtype: torch.dtype,
                  device: torch.device, seed: int, gradient_checkpointing: bool = False,
-                 subfolder: str = "transformer") -> DiffusersTransformer:
+                 subfolder: str = "transformer", checkpointed_blocks: int = 0) -> DiffusersTransformer:
     """The policy of one expert (`subfolder`, its pipeline component); `spec` None: frozen, without a LoRA (an
-    expert the settings do not train)."""
+    expert the settings do not train). `gradient_checkpointing`: every block recomputes in the backward (diffusers');
+    `checkpointed_blocks`: the first N do (`activations.checkpoint_blocks`)."""
     model = load_transformer(family, checkpoint, compute_dtype, subfolder)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
+    checkpoint_blocks(model, family.train.shard_units, checkpointed_blocks)
     if spec is not None:
         add_lora(model, spec, seed=seed)  # PEFT's init (B = 0), seeded
     for name, p in model.named_parameters():

@@ -7,16 +7,21 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from ..placement import EngineSpec, Placement, RewardSpec, build_engine
 from ..placement.spec import RewardAt
 from . import checkpoint as ckpt
-from . import memory
+from . import memory, shared_base
 from .config import TrainConfig, resume_changes
-from .dist import init_distributed
+from .dist import DistContext, init_distributed
 from .lock import holding_run_lock, lock_run_folder
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 DEFAULT_CHECKPOINT = Path("runs/tiny-checkpoint")
 
@@ -40,8 +45,10 @@ def _check_before_loading(cfg: TrainConfig) -> tuple | None:
     if cfg.checkpoint is None:
         cfg.checkpoint = str(DEFAULT_CHECKPOINT)
     _check_schedule(cfg)
-    # A full-parameter setting that cannot fit its GPUs is refused here, from the checkpoint's headers alone.
-    memory.check_fits(cfg, cfg.ray_ranks()[0] if cfg.ray else int(os.environ.get("WORLD_SIZE", 1)))
+    ranks = cfg.ray_ranks()[0] if cfg.ray else int(os.environ.get("WORLD_SIZE", 1))
+    shared_base.decide(cfg, ranks)  # `--share-base-weights true` where the engine cannot read the base is refused
+    # A setting that cannot fit its GPUs is refused here, from the checkpoint's headers alone.
+    memory.check_fits(cfg, ranks)
     out = Path(cfg.output_dir)
     if cfg.resume is True and not out.exists():
         raise FileNotFoundError(f"--resume: no folder {out} to continue (--resume auto starts afresh there)")
@@ -96,15 +103,33 @@ def run_training(cfg: TrainConfig) -> Path | None:
         _ensure_checkpoint(cfg, ctx.is_main)
         if ctx.world > 1:
             dist.barrier()
-        engine = build_engine(*engine_placement(cfg, ctx.device))
-        from .trainer import Trainer
-
-        Trainer(cfg, ctx, engine, resumed).run()
+        trainer = start_trainer(cfg, ctx, resumed)
+        engine = trainer.engine
+        trainer.run()
         return Path(cfg.output_dir) if ctx.is_main else None
     finally:  # also when the run stops on an error: the engine process ends with it
         if engine is not None:
             engine.shutdown()
         dist.destroy_process_group()
+
+
+def start_trainer(cfg: TrainConfig, ctx: DistContext, resumed: tuple | None = None) -> Trainer:
+    """This rank's engine and the Trainer around it: an in-process engine on the policy's frozen base where
+    `shared_base.decide` says so (built by the Trainer once the policy is loaded), else the placement's engine first.
+    An engine of its own process that the Trainer fails to start around is shut down here."""
+    from .trainer import Trainer
+
+    spec, placement = engine_placement(cfg, ctx.device)
+    if shared_base.decide(cfg, ctx.world):
+        return Trainer(cfg, ctx, shared_base.EngineOnBase(spec, placement), resumed)
+    if ctx.is_main and (line := shared_base.note(cfg, ctx.world)):
+        print(line, flush=True)
+    engine = build_engine(spec, placement)
+    try:
+        return Trainer(cfg, ctx, engine, resumed)
+    except BaseException:
+        engine.shutdown()
+        raise
 
 
 def use_deterministic_kernels() -> None:

@@ -35,7 +35,7 @@ from ..rl.loss import clipped_surrogate, kl_penalty
 from ..rl.nft import nft_loss, optimality
 from ..sync.checksum import tensors_checksum
 from . import checkpoint as ckpt
-from . import full, full_checkpoint
+from . import full, full_checkpoint, memory
 from .async_rollouts import CHECKPOINT_KEY, AsyncRollouts, Behaviour, ImportanceWeights
 from .batch import TrainBatch, assemble, split_by_expert
 from .config import TrainConfig
@@ -47,6 +47,7 @@ from .pairs import micro_batches, train_order
 from .parity_monitor import ParityMonitor, keep_rolled_out
 from .policy import build_policy, lora_full_state, lora_parameters
 from .prompts import load_prompts
+from .shared_base import EngineOnBase
 
 if TYPE_CHECKING:
     from ..engine.interface import RolloutEngine
@@ -61,14 +62,15 @@ class StepState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine: RolloutEngine, resumed: tuple | None = None):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, engine: RolloutEngine | EngineOnBase,
+                 resumed: tuple | None = None):
         """`engine`: this rank's engine, whose rollouts come back scored (`placement.scored.ScoredEngine`, or an
-        engine process that scores); `resumed`: with `cfg.resume`, what `checkpoint.load_latest` read (None:
-        start over)."""
+        engine process that scores), or an in-process one to build on the policy's frozen base once it is loaded
+        (`shared_base`); `resumed`: with `cfg.resume`, what `checkpoint.load_latest` read (None: start over)."""
         if cfg.rollout_batch_size % ctx.world:
             raise ValueError(f"--rollout-batch-size {cfg.rollout_batch_size} must be a multiple of the {ctx.world} "
                              f"ranks: each rank rolls out an equal share of whole prompts")
-        self.cfg, self.ctx, self.engine = cfg, ctx, engine
+        self.cfg, self.ctx = cfg, ctx
         self.out = Path(cfg.output_dir)
         self.dtype = torch_dtype(cfg.dtype)
         self.prompts = load_prompts(cfg.prompts)
@@ -86,13 +88,19 @@ class Trainer:
         self.trained = set(cfg.lora_experts or self.experts)
         self.lora_spec = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                   target_modules=tuple(cfg.lora_target_modules))
+        every = cfg.gradient_checkpointing is True
+        chosen = 0
+        if cfg.gradient_checkpointing == "auto":  # the fewest first blocks the memory plan needs recomputed
+            chosen, line = memory.auto_checkpointing(cfg, ctx.world)
+            if ctx.is_main:
+                print(line, flush=True)
         if cfg.use_lora:
             self.models = {e: build_policy(self.family, cfg.checkpoint, self.lora_spec if e in self.trained else None,
-                                           self.dtype, ctx.device, cfg.seed + k, cfg.gradient_checkpointing,
-                                           subfolder=e) for k, e in enumerate(self.experts)}
+                                           self.dtype, ctx.device, cfg.seed + k, every, subfolder=e,
+                                           checkpointed_blocks=chosen) for k, e in enumerate(self.experts)}
         else:  # every weight of the trained experts (`full`)
             self.models = {e: full.build_full_policy(self.family, cfg.checkpoint, e in self.trained, self.dtype,
-                                                     ctx.device, cfg.gradient_checkpointing, subfolder=e)
+                                                     ctx.device, every, subfolder=e, checkpointed_blocks=chosen)
                            for e in self.experts}
         if cfg.train_kernels == "fused":  # before TP matching, which wraps the fused attention processors
             from .fused import use_fused_kernels
@@ -104,6 +112,7 @@ class Trainer:
 
             for model in self.models.values():
                 match_tp(model, tp_plan(self.family, cfg.train_tp_match), cfg.train_tp_match)
+        self.engine = engine.build(self.models, self.family) if isinstance(engine, EngineOnBase) else engine
         self.named_params = lora_parameters(self.models) if cfg.use_lora else full.full_parameters(self.models)
         self.params = list(self.named_params.values())
         self.optimizer = make_optimizer(self.params, cfg.optimizer, cfg.lr, cfg.weight_decay)
