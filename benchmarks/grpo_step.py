@@ -745,6 +745,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default = family.default_size(args.resolution)
     size = args.sample_size = Size(args.resolution, default.width if args.width is None else args.width,
                                    default.frames if args.num_frames is None else args.num_frames)
+    if args.train_kernels == "fused" and family.name != "qwen_image":
+        raise UsageError(f"--train-kernels fused is Qwen-Image's: the {family.name} family has no train kernels")
     if family.name != "ltx2" and (args.width is not None or args.num_frames is not None):
         raise UsageError(f"--width and --num-frames are ltx2's: {family.name} images are --resolution square")
     for flag, side in (("--resolution", size.height), ("--width", size.width)):

@@ -79,7 +79,7 @@ def write_figures(rerun: bool, only: list[str] | None = None) -> None:
             rows[label] = read_metrics(run / "metrics.jsonl")
             made.append(str(run))
         out = ROOT / "docs" / "images" / f"{name}.png"
-        reward_figure(rows if len(rows) > 1 else rows[""], reward).savefig(out)
+        reward_figure(rows if len(rows) > 1 else next(iter(rows.values())), reward).savefig(out)
         print(f"wrote {out} from {', '.join(made)}")
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
              ((*tiny, "--family", "ltx2", "--num-frames", "8"), "8k + 1"),
              ((*tiny, "--family", "ltx2", "--resolution", "80"), "--resolution 80: must be a positive multiple of 32"),
              (("--size", "full", "--family", "ltx2", "--width", "512"),
-              "the full-size ltx2 recipe runs at 768x512, 33 frames"))
+              "the full-size ltx2 recipe runs at 768x512, 33 frames"),
+             ((*tiny, "--family", "ltx2", "--train-kernels", "fused"), "--train-kernels fused is Qwen-Image's"))
     for args, needle in cases:
         assert grpo_step.main(["--out", str(out), *args]) == 2, args
         err = capsys.readouterr().err

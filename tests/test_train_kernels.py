@@ -536,6 +536,12 @@ def test_on_cuda_the_kernels_run_at_real_width_with_stock_bits(tiny_checkpoint, 
         if not backward:
             eager = {k: n for k, n in fused_k.items() if "eager" in k or "_rms_tail" in k or "_square" in k}
             assert eager and sum(fused_k.values()) < sum(stock_k.values()), (eager, report)
+            # txt_norm alone launches the tail kernel: the q/k chain's own launches (4 per block: both streams' q
+            # and k) must be there too, which they are not when no complex-product variant matched (it then runs
+            # the reference, with a warning, and the forward is still stock's bits).
+            assert P.complex_fma(torch.device("cuda")) is not None, "the q/k kernels fell back to the reference"
+            tail = sum(n for k, n in fused_k.items() if "_rms_tail" in k)
+            assert tail >= 4 * len(models[1].transformer_blocks) + 1, (tail, fused_k)
     print("\n".join(f"{k}: stock {a} kernels {b:.2f} ms, fused {c} kernels {d:.2f} ms" for k, (a, b, c, d)
                     in report.items()))
     probe = ParityProbe(ProbeSpec(random_size="one_block", batch=2, text_len=64, resolution=512, lora_rank=16,

@@ -7,7 +7,8 @@ an M=4 GEMM differs from the same row alone; and attention, whose kernel blocks 
 reads a padding mask. Norms, softmax and elementwise ops already compute each row alone on the CPU (tested); on
 CUDA the last-dim mean and vector norm get per-row kernels too.
 
-- GEMMs (`aten::mm`, `aten::addmm`, `aten::bmm`) are overridden process-wide with `torch.library` while the mode is
+- GEMMs (`aten::mm`, `aten::addmm`, `aten::bmm`, and `aten::linear`'s layout choice: `_linear`) are overridden
+  process-wide with `torch.library` while the mode is
   on (`enable`), beneath autograd, so diffusers + PEFT (the train side) and the engine's `Linear` run them without a
   line changed and autograd differentiates them as it does the stock ops (its backward GEMMs go through the same
   kernels: correct, not required to be batch-invariant). On the CPU the stock kernel (oneDNN/MKL, fetched with
@@ -100,6 +101,21 @@ def mode() -> Iterator[None]:
             disable()
 
 
+# -- F.linear, on every device ---------------------------------------------------------------------------------------
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with one path for every input layout. The stock decomposition (aten/src/ATen/native/Linear.cpp)
+    adds a bias in the GEMM's epilogue (`addmm`, one rounding) for a 2-D input or a contiguous one, but as a second
+    op after `matmul` (two roundings) for a strided input of 3 or more dims. A slice of a joint `[B, S+L, D]`
+    output, which diffusers' SD3 processor (`JointAttnProcessor2_0`) hands `to_out` and `to_add_out`, is
+    contiguous at batch 1 and strided above it, so a row's bits would follow the batch size. The mode takes the
+    epilogue path for every input, copying a strided one to rows first (the 2-D and contiguous cases are the stock
+    calls). Runs on every device (CompositeImplicitAutograd)."""
+    if bias is None or x.dim() < 2:
+        return torch.matmul(x, weight.t()) if bias is None else torch.matmul(x, weight.t()) + bias
+    out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 # -- GEMMs on the CPU: the stock kernel on fixed row tiles -----------------------------------------------------------
 def _canonical(b: torch.Tensor) -> torch.Tensor:
     """The right operand [K, N] as the library is always handed it: row-major or column-major as it comes (F.linear
@@ -163,19 +179,6 @@ _CPU_GEMMS = {"mm": _mm_cpu, "addmm": _addmm_cpu, "bmm": _bmm_cpu}
 
 
 # -- CUDA: Triton kernels --------------------------------------------------------------------------------------------
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` with one path for every input layout. The stock decomposition (aten/src/ATen/native/Linear.cpp)
-    adds a bias in the GEMM's epilogue (`addmm`, one rounding) for a 2-D input or a contiguous 3-D one, but as a
-    second op after `matmul` (two roundings) for a strided 3-D input. A slice of a joint `[B, S+L, D]` output, which
-    diffusers' SD3 processor (`JointAttnProcessor2_0`) hands `to_out` and `to_add_out`, is contiguous at batch 1 and
-    strided above it, so a row's bits would follow the batch size. The mode takes the epilogue path for every
-    input, copying a strided one to rows first (the 2-D and contiguous 3-D cases are the stock calls)."""
-    if bias is None or x.dim() < 2:
-        return torch.matmul(x, weight.t()) if bias is None else torch.matmul(x, weight.t()) + bias
-    out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
 def _triton() -> Any:
     from . import triton_batch_invariant
 

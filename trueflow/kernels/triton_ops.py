@@ -480,17 +480,17 @@ def _rms_tail_kernel(x_ptr, r_ptr, w_ptr, f_ptr, out_ptr, S, H, D, x_sb, x_ss, x
             # imag = fma(b, c, a·d).
             re = tl.fma(even, cos, -(odd * sin))
             im = tl.fma(odd, cos, even * sin)
-        else:  # PyTorch's CPU kernel: every product rounded, then the sum
+        else:  # PyTorch's CPU kernel: every product rounded, then the sum (on CUDA the compiler may contract it)
             re = even * cos - odd * sin
             im = even * sin + odd * cos
         y = tl.reshape(tl.join(_bf16(re), _bf16(im)), (BLOCK_H, BLOCK_D))
     tl.store(out_ptr + b * o_sb + s * o_ss + h * o_sh + d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# The one eager-exact kernel launched with the compiler's contraction on: the variant `patches.complex_fma` picks on
-# an H200 is the one whose products the compiler fuses as PyTorch's CUDA complex multiplication does. With
-# `enable_fp_fusion=False` neither variant reproduced it there (tests/test_kernels.py::test_qk_norm_rope_exact on
-# CUDA, 2026-12-02), and parity mode fell back to eager ops.
+# The one eager-exact kernel launched with the compiler's contraction on, as before 2026-12-02, when a variant
+# reproduced PyTorch's CUDA complex product on an H200. With `enable_fp_fusion=False` neither variant did
+# (tests/test_kernels.py::test_qk_norm_rope_exact on CUDA, 2026-12-02), and parity mode fell back to eager ops. So
+# the contraction, not only the written `tl.fma`, is part of what matched; this launch is to be re-run there.
 def rms_norm_eager_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, freqs: torch.Tensor | None = None,
                         out: torch.Tensor | None = None, complex_fma: bool = True) -> torch.Tensor:
     """diffusers' RMSNorm over the last dim of bf16 x, [B, S, D] or per head [B, S, H, D] (any strides but a unit

@@ -136,8 +136,8 @@ def patch_group_for(family: ModelFamily, group: str | None, flag: str = "--patch
 
 
 # The families whose engine and train side the batch-invariant mode is tested on bitwise at real widths with a
-# failure side (tests/test_batch_invariant_parity.py); another family's `group:trueflow_batch_invariant` is refused.
-# SD3.5 is not among them: at micro-batches of one against a microgroup of 4 its first block's `to_add_out` differs.
+# failure side (tests/test_batch_invariant_parity.py; Wan2.2 at the TI2V-5B's widths, not the A14B's 5120); a new
+# family's `group:trueflow_batch_invariant` is refused until its test is added here.
 BATCH_INVARIANT_FAMILIES = ("qwen_image", "ltx2", "flux", "sd3", "wan")
 
 

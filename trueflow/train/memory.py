@@ -177,10 +177,10 @@ def from_preset(family: ModelFamily, size: str = "full") -> Model:
     return from_counts(family, *preset_shapes(family, size))
 
 
-def sample_tokens(family: ModelFamily, resolution: int, num_frames: int, width: int | None = None) -> int:
-    """Tokens one sample runs through the transformer: its latent tokens (`resolution` high and `width` wide, default
+def sample_tokens(family: ModelFamily, height: int, num_frames: int, width: int | None = None) -> int:
+    """Tokens one sample runs through the transformer: its latent tokens (`height` high and `width` wide, default
     square) and its text tokens at most."""
-    grid = family.pipeline.latent_grid(resolution, resolution if width is None else width, num_frames)
+    grid = family.pipeline.latent_grid(height, height if width is None else width, num_frames)
     return math.prod(grid) + family.pipeline.max_text_tokens
 
 

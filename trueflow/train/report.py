@@ -113,7 +113,8 @@ def reward_figure(rows: list[dict] | dict[str, list[dict]], reward_name: str = "
     runs = rows if isinstance(rows, dict) else {"mean over the rollout's scored samples": rows}
     fig, ax = _figure(f"Reward ({reward_name}) per optimizer step", "reward (score of the reward function)")
     all_steps = []
-    for (label, run), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
+    for i, (label, run) in enumerate(runs.items()):
+        color = f"C{i}"  # matplotlib's colour cycle: as many runs as are given
         steps, mean, std = _column(run, "step"), _column(run, "reward_mean"), _column(run, "reward_std")
         all_steps.append(steps)
         ax.plot(steps, mean, "o-", ms=3, color=color, label=label)

@@ -71,9 +71,8 @@ def scale_residual_layer_norm_scale_shift_reference(residual, y, gate, shift, sc
 
 
 def _exact_kernels(*tensors: torch.Tensor) -> bool:
-    """Whether the eager-exact kernels run: CUDA, Triton on (`kernels.use_triton`), bf16 throughout, [B, D] rows."""
-    return (kernels.use_triton(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)
-            and all(t.dim() == 2 for t in tensors[1:]))
+    """Whether the eager-exact kernels run (`kernels.use_eager_exact`) on these [B, D] modulation rows."""
+    return kernels.use_eager_exact(*tensors) and all(t.dim() == 2 for t in tensors[1:])
 
 
 def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:

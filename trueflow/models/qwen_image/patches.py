@@ -104,21 +104,15 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, ta
 
 
 # -- the exact functions the group installs: Triton kernels on CUDA, the reference elsewhere -------------------------
-def _exact_kernels(*tensors: torch.Tensor) -> bool:
-    """Whether the eager-exact kernels run: CUDA, Triton on (`kernels.use_triton`), and bf16 throughout (the kernels
-    round to bf16; any other dtype takes the reference)."""
-    return kernels.use_triton(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)
-
-
 def rms_norm_exact(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _exact_kernels(x, weight) and x.dim() in (3, 4):
+    if kernels.use_eager_exact(x, weight) and x.dim() in (3, 4):
         return kernels.ops().rms_norm_eager_bf16(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
 def scale_shift_exact(xn, shift, scale) -> torch.Tensor:
     """The modulation's three roundings in one kernel."""
-    if _exact_kernels(xn, shift, scale):
+    if kernels.use_eager_exact(xn, shift, scale):
         return kernels.ops().scale_shift_eager_bf16(xn, shift, scale)
     return scale_shift_reference(xn, shift, scale)
 
@@ -130,7 +124,7 @@ def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
 
 def gated_residual_exact(y, gate, residual) -> torch.Tensor:
     """The eager mul-add kernel `c + a·(k+b)` with k = 0, which rounds the product, then the sum."""
-    if _exact_kernels(y, gate, residual):
+    if kernels.use_eager_exact(y, gate, residual):
         return kernels.ops().mul_add_eager_bf16(y, gate, residual, 0.0)
     return gated_residual_reference(y, gate, residual)
 
@@ -171,7 +165,7 @@ def qk_norm_rope_exact(x: torch.Tensor, weight: torch.Tensor, eps: float, tables
     complex-product rounding `complex_fma` found on the device (found in the engine's eager warm-up forward: a CUDA
     graph capture that comes first records the reference)."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if _exact_kernels(x, weight) and (x.device in _COMPLEX_FMA or not capturing):
+    if kernels.use_eager_exact(x, weight) and (x.device in _COMPLEX_FMA or not capturing):
         fma = complex_fma(x.device)
         if fma is not None:
             return kernels.ops().rms_norm_eager_bf16(x, weight, eps, tables.freqs, out, complex_fma=fma)

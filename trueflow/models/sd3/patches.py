@@ -67,14 +67,9 @@ def scale_residual_layer_norm_scale_shift_reference(residual, y, gate, shift, sc
     return r, layer_norm_scale_shift_reference(r, shift, scale, eps)
 
 
-def _exact_kernels(*tensors: torch.Tensor) -> bool:
-    """Whether the eager-exact kernels run: CUDA, Triton on, and bf16 throughout (any other dtype: the reference)."""
-    return kernels.use_triton(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)
-
-
 def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
     """PyTorch's LayerNorm itself (a reduction), then the modulation's three roundings in one kernel."""
-    if _exact_kernels(x, shift, scale):
+    if kernels.use_eager_exact(x, shift, scale):
         return kernels.ops().scale_shift_eager_bf16(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
     return layer_norm_scale_shift_reference(x, shift, scale, eps)
 
@@ -82,7 +77,7 @@ def layer_norm_scale_shift_exact(x, shift, scale, eps: float) -> torch.Tensor:
 def gated_residual_exact(y, gate, residual) -> torch.Tensor:
     """The eager mul-add kernel `c + a·(k+b)` with k = 0: the product rounded, then the sum (the product commutes
     exactly)."""
-    if _exact_kernels(y, gate, residual):
+    if kernels.use_eager_exact(y, gate, residual):
         return kernels.ops().mul_add_eager_bf16(y, gate, residual, 0.0)
     return gated_residual_reference(y, gate, residual)
 
