@@ -2,8 +2,9 @@
 
 Every parity assertion in these tests is `torch.equal` (bits), and every positive test shows its failing side
 too. On CPU both sides must run with the same intra-op thread count (parity condition 9, docs/patch-group.md),
-so the count is
-pinned once here, for the whole session, before any test runs.
+so the count is pinned once here, for the whole session, before any test runs, and handed to every process a test
+starts (OMP_NUM_THREADS, read by torch at import). It is one: CI runs the suite on two workers (`pytest -n 2`), one per
+core, and a worker of two threads would spin against the other.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-TEST_THREADS = 2
+TEST_THREADS = 1
 torch.set_num_threads(TEST_THREADS)
+os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 BF16 = torch.bfloat16
 EPS = 1e-6  # every norm of Qwen-Image's transformer uses eps 1e-6
