@@ -39,6 +39,20 @@ def _batch_invariant_mode_left_off():
     batch_invariant.disable()
 
 
+@pytest.fixture(autouse=True)
+def _diffusers_attention_backend_left_alone():
+    """No test leaves diffusers' process-wide attention backend changed for the next one (a model's
+    `set_attention_backend` outside an `attention_backend` context changes it): a later module's diffusers code would
+    run that backend, which test order alone decides (pytest -n 2 runs a worker's files in another order)."""
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    before = dispatch._AttentionBackendRegistry._active_backend if dispatch is not None else None
+    yield
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    if dispatch is not None:
+        registry = dispatch._AttentionBackendRegistry
+        registry.set_active_backend(before or dispatch.AttentionBackendName(dispatch.DIFFUSERS_ATTN_BACKEND))
+
+
 @pytest.fixture
 def bi_mode():
     """The batch-invariant mode for one test (its GEMMs overridden; off again afterwards)."""
