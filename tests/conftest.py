@@ -28,6 +28,21 @@ EPS = 1e-6  # every norm of Qwen-Image's transformer uses eps 1e-6
 TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console script
 
 
+# -- the order of the files ------------------------------------------------------------------------------------
+# CI runs the suite on two workers, each file whole on one (`-n 2`; pyproject's addopts: --dist loadfile, in this
+# order). The longest files (seconds under -n 2 on 2 cores) go first, so the two workers end together instead of one
+# running a long file while the other has nothing left; the rest keep pytest's order.
+LONGEST_FIRST = ("test_ray.py", "test_resume.py", "test_rl_mutations.py", "test_train.py", "test_fullft.py",
+                 "test_algorithms.py", "test_tp_ltx2.py", "test_tp.py", "test_batch_invariant_parity.py",
+                 "test_tp_followups.py", "test_tp_engine.py", "test_serve_tp.py", "test_async_rollouts.py",
+                 "test_kernels.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
+
+
 # -- the batch-invariant mode ----------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def _batch_invariant_mode_left_off():
