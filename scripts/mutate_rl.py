@@ -109,6 +109,13 @@ def pytest_args(tests: list[str]) -> list[str]:
     return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow", *tests]
 
 
+def own_tests_first(tests: list[str], rel: str) -> list[str]:
+    """`tests` with the mutated module's own file (trueflow/rl/loss.py: test_rl_loss.py) first: with -x the run
+    stops at the first failure, most often there, before another file's slower test (one imports the trainer)."""
+    own = f"test_rl_{Path(rel).stem}.py"
+    return sorted(tests, key=lambda t: Path(t).name != own)
+
+
 def check(tmp: Path, index: int, mutation: tuple[str, str, str, str], tests: list[str]) -> tuple[bool, str]:
     """(killed, what happened) for one mutation."""
     root = tmp / f"m{index}"
@@ -116,7 +123,7 @@ def check(tmp: Path, index: int, mutation: tuple[str, str, str, str], tests: lis
         make_copy(root, mutation)
     except ValueError as e:
         return False, f"NOT APPLIED  {e}"
-    proc = run(root, pytest_args(tests))
+    proc = run(root, pytest_args(own_tests_first(tests, mutation[1])))
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
     if proc.returncode == 1 and failed:
         return True, f"killed       {mutation[0]}  <- {failed[0].split(' - ')[0].rsplit('/', 1)[-1]}"

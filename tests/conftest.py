@@ -2,8 +2,9 @@
 
 Every parity assertion in these tests is `torch.equal` (bits), and every positive test shows its failing side
 too. On CPU both sides must run with the same intra-op thread count (parity condition 9, docs/patch-group.md),
-so the count is
-pinned once here, for the whole session, before any test runs.
+so the count is pinned once here, for the whole session, before any test runs, and handed to every process a test
+starts (OMP_NUM_THREADS, read by torch at import). It is one: CI runs the suite on two workers (`pytest -n 2`), one per
+core, and a worker of two threads would spin against the other.
 """
 
 from __future__ import annotations
@@ -18,12 +19,28 @@ from pathlib import Path
 import pytest
 import torch
 
-TEST_THREADS = 2
+TEST_THREADS = 1
 torch.set_num_threads(TEST_THREADS)
+os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 BF16 = torch.bfloat16
 EPS = 1e-6  # every norm of Qwen-Image's transformer uses eps 1e-6
 TRUEFLOW_EXE = Path(sys.executable).parent / "trueflow"  # the venv's console script
+
+
+# -- the order of the files ------------------------------------------------------------------------------------
+# CI runs the suite on two workers, each file whole on one (`-n 2`; pyproject's addopts: --dist loadfile, in this
+# order). The longest files (seconds under -n 2 on 2 cores) go first, so the two workers end together instead of one
+# running a long file while the other has nothing left; the rest keep pytest's order.
+LONGEST_FIRST = ("test_ray.py", "test_resume.py", "test_rl_mutations.py", "test_train.py", "test_fullft.py",
+                 "test_algorithms.py", "test_tp_ltx2.py", "test_tp.py", "test_batch_invariant_parity.py",
+                 "test_tp_followups.py", "test_tp_engine.py", "test_serve_tp.py", "test_async_rollouts.py",
+                 "test_kernels.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
 
 
 # -- the batch-invariant mode ----------------------------------------------------------------------------------
@@ -35,6 +52,20 @@ def _batch_invariant_mode_left_off():
     from trueflow.kernels import batch_invariant
 
     batch_invariant.disable()
+
+
+@pytest.fixture(autouse=True)
+def _diffusers_attention_backend_left_alone():
+    """No test leaves diffusers' process-wide attention backend changed for the next one (a model's
+    `set_attention_backend` outside an `attention_backend` context changes it): a later module's diffusers code would
+    run that backend, which test order alone decides (pytest -n 2 runs a worker's files in another order)."""
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    before = dispatch._AttentionBackendRegistry._active_backend if dispatch is not None else None
+    yield
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    if dispatch is not None:
+        registry = dispatch._AttentionBackendRegistry
+        registry.set_active_backend(before or dispatch.AttentionBackendName(dispatch.DIFFUSERS_ATTN_BACKEND))
 
 
 @pytest.fixture

@@ -40,8 +40,11 @@ LORA_RANK, LORA_ALPHA = 8, 12  # scale 1.5: the scale multiply rounds in bf16
 
 
 def diffusers_model(size: str, seed: int = 0):
+    from diffusers.models.attention_dispatch import attention_backend
+
     model = build_transformer(size, seed=seed, dtype=BF16)
-    model.set_attention_backend("_native_flash")
+    with attention_backend("_native_flash"):  # the model's processors only, not diffusers' process-wide default
+        model.set_attention_backend("_native_flash")
     return model
 
 
