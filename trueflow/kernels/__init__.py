@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -35,3 +37,13 @@ def use_eager_exact(*tensors: torch.Tensor) -> bool:
     (`use_triton` of the first) and bf16 throughout (the kernels round to bf16; any other dtype takes the family's
     reference)."""
     return use_triton(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def matching_variant(run: Callable[[bool], torch.Tensor], reference: torch.Tensor, warning: str) -> bool | None:
+    """Which variant of an eager-exact kernel reproduces PyTorch's own op on a sample that tells them apart: True
+    (the kernel fuses a product into its sum, as the device's PyTorch kernel may) before False (every product
+    rounded); None where neither does, warned with `warning`, and the caller then runs its reference."""
+    found = [fma for fma in (True, False) if torch.equal(run(fma), reference)]
+    if not found:
+        warnings.warn(warning, stacklevel=3)  # at the caller of the family's check
+    return found[0] if found else None

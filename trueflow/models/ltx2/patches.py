@@ -44,7 +44,6 @@ or `_native_efficient` (the memory-efficient kernel pinned; CUDA only).
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -202,13 +201,11 @@ def split_rope_fma(device: torch.device) -> bool | None:
     first; None if neither kernel variant reproduces it (the reference then runs, with a warning)."""
     if device not in _SPLIT_FMA:
         y, tables = split_rope_fma_sample(device)
-        ref = split_rope_reference(y, tables)
-        found = [fma for fma in (True, False)
-                 if torch.equal(kernels.ops().split_rope_eager_bf16(y, tables.cos, tables.sin, fma), ref)]
-        _SPLIT_FMA[device] = found[0] if found else None
-        if not found:
-            warnings.warn(f"no split-RoPE kernel variant reproduces PyTorch's addcmul_ on {device}: parity mode runs "
-                          f"that chain as eager ops (slower, still bitwise)", stacklevel=2)
+        _SPLIT_FMA[device] = kernels.matching_variant(
+            lambda fma: kernels.ops().split_rope_eager_bf16(y, tables.cos, tables.sin, fma),
+            split_rope_reference(y, tables),
+            f"no split-RoPE kernel variant reproduces PyTorch's addcmul_ on {device}: parity mode runs that chain as "
+            f"eager ops (slower, still bitwise)")
     return _SPLIT_FMA[device]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -149,13 +148,11 @@ def complex_fma(device: torch.device) -> bool | None:
         x = (torch.randn(4, S, 24, D, generator=g) * 2).to(device, torch.bfloat16)
         w = (torch.randn(D, generator=g) * 0.1 + 1).to(device, torch.bfloat16)
         tables = rope_tables_reference(rope_positions(1, S, 0)[0], axes, 10000, device)
-        ref = qk_norm_rope_reference(x, w, 1e-6, tables)
-        found = [fma for fma in (True, False)
-                 if torch.equal(kernels.ops().rms_norm_eager_bf16(x, w, 1e-6, tables.freqs, complex_fma=fma), ref)]
-        _COMPLEX_FMA[device] = found[0] if found else None
-        if not found:
-            warnings.warn(f"no qk-norm + RoPE kernel variant reproduces PyTorch's complex multiplication on {device}: "
-                          f"parity mode runs that chain as eager ops (slower, still bitwise)", stacklevel=2)
+        _COMPLEX_FMA[device] = kernels.matching_variant(
+            lambda fma: kernels.ops().rms_norm_eager_bf16(x, w, 1e-6, tables.freqs, complex_fma=fma),
+            qk_norm_rope_reference(x, w, 1e-6, tables),
+            f"no qk-norm + RoPE kernel variant reproduces PyTorch's complex multiplication on {device}: parity mode "
+            f"runs that chain as eager ops (slower, still bitwise)")
     return _COMPLEX_FMA[device]
 
 
