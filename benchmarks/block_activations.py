@@ -28,25 +28,16 @@ from trueflow.models.qwen_image.train import model_timestep
 from trueflow.parity.probe import make_inputs
 from trueflow.train.activations import checkpoint_blocks
 from trueflow.train.config import TrainConfig
-from trueflow.train.memory import ACT_PER_TOKEN_WIDTH
+from trueflow.train.memory import ACT_PER_TOKEN_WIDTH, saved_activation_bytes
 from trueflow.train.model import LoraSpec, add_lora, train_forward
 
 QWEN = get_family("qwen_image")
 
 
 def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        train_forward(QWEN, model, inputs["hidden_states"], model_timestep(inputs["timestep"], torch.bfloat16),
-                      inputs["grid"], inputs["cond"])
-    return sum(held.values())
+    return saved_activation_bytes(model, lambda: train_forward(
+        QWEN, model, inputs["hidden_states"], model_timestep(inputs["timestep"], torch.bfloat16), inputs["grid"],
+        inputs["cond"]))
 
 
 def row(heads: int, tokens: int, text: int, device: str) -> dict:

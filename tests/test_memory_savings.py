@@ -261,22 +261,11 @@ def test_saved_activation_bytes_fall_with_every_block_checkpointed():
     blocks are alike; the first and last also share tensors with the model around them)."""
     model = build_transformer(CONFIG, seed=0, dtype=BF16)
     add_lora(model, SPEC, seed=0)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     saved = []
     for k in range(BLOCKS + 1):
         model.disable_gradient_checkpointing()  # none checkpointed, then the first k
         checkpoint_blocks(model, QWEN.train.shard_units, k)
-        held.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward(model)
-        saved.append(sum(held.values()))
+        saved.append(memory.saved_activation_bytes(model, lambda: forward(model)))
     drops = [a - b for a, b in zip(saved, saved[1:])]
     assert all(d > 0 for d in drops), saved
     assert len(set(drops[1:-1])) == 1, drops  # each inner block holds the same

@@ -39,6 +39,10 @@ from typing import TYPE_CHECKING
 from ..models.spec import ModelFamily
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
     from .model import DiffusersTransformer, LoraSpec
 
 GIB = 1 << 30
@@ -326,3 +330,21 @@ def table(micro_batch: int = 1, resolution: int = 1024, num_frames: int = 121, l
 
         lora_lines.append(f"| {name} | {lora / 1e6:.0f}M | {on_one(False)} | {on_one(True)} |")
     return "\n".join(lines + [""] + lora_lines)
+
+
+def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], object]) -> int:
+    """The bytes of every tensor autograd saves for the backward while `forward()` runs: each storage once, the
+    model's own weights left out (what the plan's activation term estimates)."""
+    import torch  # here: the plan itself is read before torch loads
+
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(held.values())
