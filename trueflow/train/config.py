@@ -87,7 +87,8 @@ class TrainConfig(BaseModel):
     train_kernels: Literal["stock", "fused"] = _f("stock", "fused: the train forward runs the engine's eager-exact "
                                                            "fused kernels (CUDA, bf16) as autograd Functions under "
                                                            "diffusers' model, its bits unchanged (parity too) with "
-                                                           "fewer kernels; Qwen-Image (docs/training.md)", "model")
+                                                           "fewer kernels, not faster on an H200; Qwen-Image "
+                                                           "(docs/training.md)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
                                                   "one the family's patch group pairs with)", "model")
     batch_invariant: bool = _f(False, "batch-invariant parity mode: batch-invariant GEMMs and per-sample attention "
