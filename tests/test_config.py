@@ -152,3 +152,24 @@ def test_height_and_width_override_the_square_side():
         TrainConfig(family="ltx2", width=80)
     with pytest.raises(ValueError, match="--num-frames 8: "):
         TrainConfig(family="ltx2", width=96, num_frames=8)
+
+
+def test_processes_that_compute_at_once_are_warned_past_the_cores(monkeypatch):
+    """Threads past the cores: each rank's `--tp` engine processes, plus the trainer when it trains during a
+    rollout (`--async-rollouts`), times the intra-op threads each (counts worked by hand)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    many = TrainConfig(device="cpu", engine_process=True, async_rollouts=1, threads=2)
+    assert many.oversubscription(cores=4, default_threads=8) is None  # 2 processes x 2 threads = 4 cores
+    line = many.oversubscription(cores=3, default_threads=8)
+    assert line is not None and "2 CPU processes" in line and "--threads 1" in line
+    sync = TrainConfig(device="cpu", engine_process=True, threads=2)  # the trainer waits while its engine works
+    assert sync.oversubscription(cores=2, default_threads=8) is None
+    tp = TrainConfig(device="cpu", engine_process=True, tp=2)  # torch's default count in each engine rank
+    assert "2 CPU processes" in tp.oversubscription(cores=8, default_threads=8) and "--threads 4" in \
+        tp.oversubscription(cores=8, default_threads=8)
+    assert tp.oversubscription(cores=8, default_threads=4) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: every rank has its engine processes
+    assert "4 CPU processes" in tp.oversubscription(cores=8, default_threads=4)
+    assert TrainConfig(device="cpu", threads=4).oversubscription(cores=2, default_threads=4) is None  # in process
+    assert TrainConfig(device="cuda", engine_process=True, async_rollouts=1, threads=9).oversubscription(
+        cores=2, default_threads=9) is None

@@ -11,6 +11,7 @@ parity are allowed but warned about loudly, naming the condition (ParityConditio
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 import warnings
@@ -526,6 +527,24 @@ class TrainConfig(BaseModel):
                              f"exist on {device}); use --device cuda, or {fam.train.parity_backend}")
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
+        slow = self.oversubscription(len(os.sched_getaffinity(0)), torch.get_num_threads())
+        if slow:
+            warnings.warn(slow, RuntimeWarning, stacklevel=2)
+
+    def oversubscription(self, cores: int, default_threads: int) -> str | None:
+        """The line to warn with when the CPU processes that compute at the same time ask for more intra-op
+        threads than there are `cores`: the threads contend, and a rollout took ~17x longer at 2 x 2 threads on 2
+        cores (docs/training.md). Busy at once: each rank's engine processes (`--tp` of them) and, with
+        `--async-rollouts`, the trainer training beside them; a synchronous trainer waits while its engine rolls
+        out."""
+        if not self.device.startswith("cpu") or not self.engine_process:
+            return None
+        busy = int(os.environ.get("WORLD_SIZE", 1)) * (self.tp + (1 if self.async_rollouts else 0))
+        threads = self.threads or default_threads
+        if busy * threads <= cores:
+            return None
+        return (f"{busy} CPU processes compute at once with {threads} intra-op threads each on {cores} cores: they "
+                f"contend, and a rollout can take many times longer; use --threads {max(1, cores // busy)}")
 
     def _family_choices(self) -> tuple["ModelFamily", str, str]:
         """(family, rollout patch group, train attention backend), the unset ones at the family's defaults."""
