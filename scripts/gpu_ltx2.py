@@ -50,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from trueflow.checkpoints import init_checkpoint
 from trueflow.engine.cuda_graph import GraphedForward, capture
 from trueflow.models import get_family
+from trueflow.models.ltx2.latents import check_size
 from trueflow.parity.probe import ParityProbe, ProbeSpec
 from trueflow.parity.report import format_ablation
 from trueflow.train.model import train_forward
@@ -322,6 +323,11 @@ def speed(device: str, size: str, batch: int, height: int, width: int, frames: i
             "flops_per_forward": flops, "rows": results, "goals": goals, "peak_gib": _peak()}, ok
 
 
+def _write(report: dict, path: str) -> None:
+    with open(path, "w") as f:  # after every part, so a call cut short keeps what it measured
+        json.dump(report, f, indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -340,7 +346,12 @@ def main() -> int:
     parts = [p for p in a.parts.split(",") if p]
     if not parts or not set(parts) <= {"tiny", "parity", "speed"}:
         ap.error(f"--parts takes tiny, parity and/or speed, got {a.parts!r}")
-    frames = [int(f) for f in a.frames.split(",")]
+    try:  # each count a video the pipeline takes, checked before anything is built
+        frames = [int(f) for f in a.frames.split(",")]
+        for f in frames:
+            check_size(a.height, a.width, f)
+    except ValueError as e:
+        ap.error(f"--frames {a.frames} at --height {a.height} --width {a.width}: {e}")
     info = {"torch": torch.__version__, "python": platform.python_version(), "parts": parts,
             "device_name": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor(),
             "date": time.strftime("%Y-%m-%d")}
@@ -356,12 +367,12 @@ def main() -> int:
             report["speed"], ok_part = speed(a.device, a.size, a.batch, a.height, a.width, frames[-1], a.warmup,
                                              a.reps, not a.no_compile)
         ok &= ok_part
-        json.dump(report, open(a.out, "w"), indent=1)
+        _write(report, a.out)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     report["ok"] = ok
-    json.dump(report, open(a.out, "w"), indent=1)
+    _write(report, a.out)
     print("ALL PARITY CLAIMS HOLD" if ok else "PARITY CLAIM FAILED")
     return 0 if ok else 1
 

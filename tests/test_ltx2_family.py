@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,19 @@ def test_the_ltx23_recipe_loads_aligned():
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.reward, cfg.reward_frames) == (64, 128, "pickscore", 3)
     cfg.fill_family_defaults()
     assert cfg.parity_warnings() == []
+
+
+@pytest.mark.parametrize("frames", ["10", "9,x", "0"])
+def test_the_gpu_script_refuses_a_frame_count_in_one_line(frames, monkeypatch, capsys, tmp_path):
+    """scripts/gpu_ltx2.py: a count the pipeline would not take (8k + 1 frames) stops before anything is built,
+    with argparse's exit 2 and the fix, not a traceback minutes into a GPU call."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "scripts"))
+    import gpu_ltx2
+
+    monkeypatch.setattr(sys, "argv", ["gpu_ltx2.py", "--out", str(tmp_path / "r.json"), "--frames", frames,
+                                      "--device", "cpu", "--size", "tiny", "--parts", "parity"])
+    with pytest.raises(SystemExit) as stop:
+        gpu_ltx2.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--frames {frames}" in err and "Traceback" not in err and not (tmp_path / "r.json").exists()
