@@ -156,20 +156,36 @@ def test_height_and_width_override_the_square_side():
 
 def test_processes_that_compute_at_once_are_warned_past_the_cores(monkeypatch):
     """Threads past the cores: each rank's `--tp` engine processes, plus the trainer when it trains during a
-    rollout (`--async-rollouts`), times the intra-op threads each (counts worked by hand)."""
+    rollout (`--async-rollouts`, however far ahead), times the intra-op threads each (counts worked by hand)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     many = TrainConfig(device="cpu", engine_process=True, async_rollouts=1, threads=2)
     assert many.oversubscription(cores=4, default_threads=8) is None  # 2 processes x 2 threads = 4 cores
     line = many.oversubscription(cores=3, default_threads=8)
-    assert line is not None and "2 CPU processes" in line and "--threads 1" in line
+    assert line is not None and "2 CPU processes compute" in line and "--threads 1" in line
     sync = TrainConfig(device="cpu", engine_process=True, threads=2)  # the trainer waits while its engine works
     assert sync.oversubscription(cores=2, default_threads=8) is None
+    assert "1 CPU process computes" in sync.oversubscription(cores=1, default_threads=8)
     tp = TrainConfig(device="cpu", engine_process=True, tp=2)  # torch's default count in each engine rank
     assert "2 CPU processes" in tp.oversubscription(cores=8, default_threads=8) and "--threads 4" in \
         tp.oversubscription(cores=8, default_threads=8)
     assert tp.oversubscription(cores=8, default_threads=4) is None
-    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: every rank has its engine processes
-    assert "4 CPU processes" in tp.oversubscription(cores=8, default_threads=4)
+    both = TrainConfig(device="cpu", engine_process=True, tp=2, async_rollouts=2)  # 2 engine ranks + the trainer
+    assert both.oversubscription(cores=6, default_threads=2) is None
+    line = both.oversubscription(cores=5, default_threads=2)
+    assert "3 CPU processes" in line and "--threads 1" in line
+    assert "even --threads 1" in both.oversubscription(cores=2, default_threads=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: every rank has its engine process and trainer
+    assert "4 CPU processes" in many.oversubscription(cores=6, default_threads=8)
+    assert many.oversubscription(cores=8, default_threads=8) is None
     assert TrainConfig(device="cpu", threads=4).oversubscription(cores=2, default_threads=4) is None  # in process
     assert TrainConfig(device="cuda", engine_process=True, async_rollouts=1, threads=9).oversubscription(
         cores=2, default_threads=9) is None
+
+
+def test_a_run_that_oversubscribes_the_cores_is_warned_when_it_starts(monkeypatch, tmp_path):
+    """`validate` (what `trueflow train` runs before loading) says it, with the process's own core count."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    cfg = TrainConfig(device="cpu", engine_process=True, async_rollouts=1, threads=2, output_dir=str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="2 CPU processes compute at once with 2 intra-op threads each on 2 cores"):
+        cfg.validate()

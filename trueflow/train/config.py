@@ -88,7 +88,8 @@ class TrainConfig(BaseModel):
     train_kernels: Literal["stock", "fused"] = _f("stock", "fused: the train forward runs the engine's eager-exact "
                                                            "fused kernels (CUDA, bf16) as autograd Functions under "
                                                            "diffusers' model, its bits unchanged (parity too) with "
-                                                           "fewer kernels, not faster on an H200; Qwen-Image "
+                                                           "fewer kernels, no consistent speed gain on an H200; "
+                                                           "Qwen-Image "
                                                            "(docs/training.md)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
                                                   "one the family's patch group pairs with)", "model")
@@ -527,24 +528,33 @@ class TrainConfig(BaseModel):
                              f"exist on {device}); use --device cuda, or {fam.train.parity_backend}")
         for message in self.parity_warnings():
             warnings.warn(message, ParityConditionWarning, stacklevel=2)
-        slow = self.oversubscription(len(os.sched_getaffinity(0)), torch.get_num_threads())
+        slow = self.oversubscription()
         if slow:
             warnings.warn(slow, RuntimeWarning, stacklevel=2)
 
-    def oversubscription(self, cores: int, default_threads: int) -> str | None:
+    def oversubscription(self, cores: int | None = None, default_threads: int | None = None) -> str | None:
         """The line to warn with when the CPU processes that compute at the same time ask for more intra-op
-        threads than there are `cores`: the threads contend, and a rollout took ~17x longer at 2 x 2 threads on 2
-        cores (docs/training.md). Busy at once: each rank's engine processes (`--tp` of them) and, with
-        `--async-rollouts`, the trainer training beside them; a synchronous trainer waits while its engine rolls
-        out."""
+        threads than the `cores` this process may use (default: its CPU affinity; `default_threads`: torch's count,
+        which `--threads` overrides). The threads then contend, and a rollout takes many times longer (docs/training.md,
+        "Async rollouts"). Busy at once: each rank's engine processes (`--tp` of them) and, with `--async-rollouts`,
+        the trainer training beside them; a synchronous trainer waits while its engine rolls out. Only
+        `--engine-process` is checked: a `--engine-url` server's threads and Ray's actors are not this run's to
+        count."""
         if not self.device.startswith("cpu") or not self.engine_process:
             return None
+        import torch
+
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         busy = int(os.environ.get("WORLD_SIZE", 1)) * (self.tp + (1 if self.async_rollouts else 0))
-        threads = self.threads or default_threads
+        threads = self.threads or default_threads or torch.get_num_threads()
         if busy * threads <= cores:
             return None
-        return (f"{busy} CPU processes compute at once with {threads} intra-op threads each on {cores} cores: they "
-                f"contend, and a rollout can take many times longer; use --threads {max(1, cores // busy)}")
+        fix = (f"use --threads {cores // busy}" if busy <= cores else
+               "even --threads 1 is too many: use fewer --tp ranks or trainer ranks, or drop --async-rollouts")
+        return (f"{busy} CPU process{'es compute' if busy > 1 else ' computes'} at once with {threads} intra-op "
+                f"threads each on {cores} cores: the threads contend, and a rollout can take many times longer; "
+                f"{fix}")
 
     def _family_choices(self) -> tuple["ModelFamily", str, str]:
         """(family, rollout patch group, train attention backend), the unset ones at the family's defaults."""
