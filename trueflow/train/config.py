@@ -535,7 +535,7 @@ class TrainConfig(BaseModel):
     def oversubscription(self, cores: int | None = None, default_threads: int | None = None) -> str | None:
         """The line to warn with when the CPU processes that compute at the same time ask for more intra-op
         threads than the `cores` this process may use (default: its CPU affinity; `default_threads`: torch's count,
-        which `--threads` overrides). The threads then contend, and a rollout takes many times longer (docs/training.md,
+        which `--threads` overrides). The threads then contend, and both sides run slower (docs/training.md,
         "Async rollouts"). Busy at once: each rank's engine processes (`--tp` of them) and, with `--async-rollouts`,
         the trainer training beside them; a synchronous trainer waits while its engine rolls out. Only
         `--engine-process` is checked: a `--engine-url` server's threads and Ray's actors are not this run's to
@@ -553,7 +553,7 @@ class TrainConfig(BaseModel):
         fix = (f"use --threads {cores // busy}" if busy <= cores else
                "even --threads 1 is too many: use fewer --tp ranks or trainer ranks, or drop --async-rollouts")
         return (f"{busy} CPU process{'es compute' if busy > 1 else ' computes'} at once with {threads} intra-op "
-                f"threads each on {cores} cores: the threads contend, and a rollout can take many times longer; "
+                f"threads each on {cores} cores: the threads contend and slow both sides down; "
                 f"{fix}")
 
     def _family_choices(self) -> tuple["ModelFamily", str, str]:
