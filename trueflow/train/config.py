@@ -89,8 +89,7 @@ class TrainConfig(BaseModel):
                                                            "fused kernels (CUDA, bf16) as autograd Functions under "
                                                            "diffusers' model, its bits unchanged (parity too) with "
                                                            "fewer kernels, no consistent speed gain on an H200; "
-                                                           "Qwen-Image "
-                                                           "(docs/training.md)", "model")
+                                                           "Qwen-Image (docs/training.md)", "model")
     fsdp_attention_backend: str | None = _f(None, "diffusers attention backend of the train forward (default: the "
                                                   "one the family's patch group pairs with)", "model")
     batch_invariant: bool = _f(False, "batch-invariant parity mode: batch-invariant GEMMs and per-sample attention "
@@ -400,6 +399,10 @@ class TrainConfig(BaseModel):
             return self.train_gpus, self.rollout_gpus or 0
         return self.world_size or 1, 0
 
+    def trainer_ranks(self) -> int:
+        """How many trainer ranks this run has: --ray's, or torchrun's WORLD_SIZE (1 without torchrun)."""
+        return self.ray_ranks()[0] if self.ray else int(os.environ.get("WORLD_SIZE", 1))
+
     def _ray_errors(self) -> list[str]:
         named = [flag for flag, v in (("--world-size", self.world_size), ("--ray-address", self.ray_address),
                                       ("--rollout-gpus", self.rollout_gpus), ("--train-gpus", self.train_gpus))
@@ -546,7 +549,7 @@ class TrainConfig(BaseModel):
 
         if cores is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        busy = int(os.environ.get("WORLD_SIZE", 1)) * (self.tp + (1 if self.async_rollouts else 0))
+        busy = self.trainer_ranks() * (self.tp + (1 if self.async_rollouts else 0))
         threads = self.threads or default_threads or torch.get_num_threads()
         if busy * threads <= cores:
             return None

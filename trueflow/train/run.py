@@ -45,7 +45,7 @@ def _check_before_loading(cfg: TrainConfig) -> tuple | None:
     if cfg.checkpoint is None:
         cfg.checkpoint = str(DEFAULT_CHECKPOINT)
     _check_schedule(cfg)
-    ranks = cfg.ray_ranks()[0] if cfg.ray else int(os.environ.get("WORLD_SIZE", 1))
+    ranks = cfg.trainer_ranks()
     shared_base.decide(cfg, ranks)  # `--share-base-weights true` where the engine cannot read the base is refused
     # A setting that cannot fit its GPUs is refused here, from the checkpoint's headers alone.
     memory.check_fits(cfg, ranks)
